@@ -1,0 +1,1 @@
+"""The project host: command line, and (growing) the scheduler and protocol server."""

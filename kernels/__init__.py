@@ -1,0 +1,30 @@
+"""Deterministic compute for tilehive: the GEMM kernel, its numpy twin, content hashing."""
+
+from kernels.gemm import gemm, kernel_name
+from kernels.hashing import (
+    BlobDecodeError,
+    BlobMismatchError,
+    array_id,
+    blob_id,
+    decode_array,
+    encode_array,
+    is_blob_id,
+    verify_blob,
+)
+
+# Part of every work unit's id: bump it whenever a kernel could return different bits.
+KERNEL_VERSION = 1
+
+__all__ = [
+    "KERNEL_VERSION",
+    "BlobDecodeError",
+    "BlobMismatchError",
+    "array_id",
+    "blob_id",
+    "decode_array",
+    "encode_array",
+    "gemm",
+    "is_blob_id",
+    "kernel_name",
+    "verify_blob",
+]

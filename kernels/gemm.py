@@ -1,0 +1,94 @@
+"""The public GEMM entry point: checks, picks the compiled kernel or its twin, splits threads."""
+
+from __future__ import annotations
+
+import os
+import threading
+from concurrent.futures import ThreadPoolExecutor
+
+import numpy as np
+
+from kernels import reference
+from kernels.checks import check_gemm_args
+
+try:
+    from kernels import _gemm
+except ImportError:  # pragma: no cover - only when the extension was not built
+    _gemm = None
+
+# Set TILEHIVE_KERNEL=reference to run every product on the numpy twin (same bits, slower).
+KERNEL_ENV = "TILEHIVE_KERNEL"
+
+# Below this many multiply-adds per thread, starting a thread costs more than it saves.
+_MIN_WORK_PER_THREAD = 1 << 21
+
+_pool: ThreadPoolExecutor | None = None
+_pool_size = 0
+_pool_lock = threading.Lock()
+
+
+def _executor(workers: int) -> ThreadPoolExecutor:
+    global _pool, _pool_size
+    with _pool_lock:
+        if _pool is None or _pool_size < workers:
+            if _pool is not None:
+                _pool.shutdown(wait=False)
+            _pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="tilehive-gemm")
+            _pool_size = workers
+        return _pool
+
+
+def use_reference() -> bool:
+    """True when TILEHIVE_KERNEL asks for the numpy twin, or the extension is missing."""
+    return _gemm is None or os.environ.get(KERNEL_ENV, "").strip().lower() == "reference"
+
+
+def kernel_name() -> str:
+    """The implementation the next gemm call will use: "reference" or the micro-kernel name."""
+    return "reference" if use_reference() else _gemm.kernel_name()
+
+
+def row_splits(m: int, parts: int, align: int) -> list[tuple[int, int]]:
+    """Split rows [0, m) into at most `parts` ranges whose starts are multiples of `align`."""
+    chunk = -(-m // parts)
+    chunk = max(align, -(-chunk // align) * align)
+    return [(start, min(m, start + chunk)) for start in range(0, m, chunk)]
+
+
+def gemm(
+    a: np.ndarray,
+    b: np.ndarray,
+    *,
+    trans_a: bool = False,
+    trans_b: bool = False,
+    out: np.ndarray | None = None,
+    threads: int = 1,
+) -> np.ndarray:
+    """C = op(a) @ op(b) in float32, bit for bit the same on every machine and thread count.
+
+    op(x) is x, or x.T when trans_x is true. Each C[i, j] is accumulated over k = 0..K-1 in
+    order with one fused multiply-add per step, so any block of C computed alone has exactly
+    the bits of the same block of the full product (docs/kernels.md). a and b must be
+    C-contiguous float32 matrices; out, when given, receives the result and is returned.
+    Raises ValueError on any other input.
+    """
+    a, b, out = check_gemm_args(a, b, trans_a, trans_b, out, threads)
+    if use_reference():
+        return reference.gemm_checked(a, b, out, bool(trans_a), bool(trans_b))
+    m, n = out.shape
+    k = a.shape[0] if trans_a else a.shape[1]
+    useful = max(1, min(int(threads), (m * n * k) // _MIN_WORK_PER_THREAD))
+    ranges = row_splits(m, useful, _gemm.kernel_mr()) if m else []
+    if len(ranges) <= 1:
+        _gemm.sgemm_rows(a, b, out, bool(trans_a), bool(trans_b), 0, m)
+        return out
+    pool = _executor(len(ranges) - 1)
+    futures = [
+        pool.submit(_gemm.sgemm_rows, a, b, out, bool(trans_a), bool(trans_b), m0, m1)
+        for m0, m1 in ranges[1:]
+    ]
+    m0, m1 = ranges[0]
+    _gemm.sgemm_rows(a, b, out, bool(trans_a), bool(trans_b), m0, m1)
+    for future in futures:
+        future.result()
+    return out

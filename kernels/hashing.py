@@ -1,0 +1,118 @@
+"""Content addressing: arrays as canonical blobs, and blobs named by their blake3 hash.
+
+A blob is a fixed header followed by the array's bytes in C order, little-endian:
+
+    magic  b"THARR1\\0\\0"         8 bytes
+    dtype  e.g. b"<f4\\0"          4 bytes, one of ALLOWED_DTYPES
+    ndim   uint32 LE               4 bytes, at most MAX_NDIM
+    shape  uint64 LE x ndim
+    data   prod(shape) * itemsize bytes
+
+The blob's id is the hex blake3 of all of it, so two arrays share an id exactly when dtype,
+shape and every byte agree; a receiver checks bytes against the id before decoding them.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+import struct
+
+import numpy as np
+from blake3 import blake3
+
+MAGIC = b"THARR1\0\0"
+MAX_NDIM = 4
+ALLOWED_DTYPES: dict[bytes, np.dtype] = {
+    b"<f4\0": np.dtype("<f4"),
+    b"<f8\0": np.dtype("<f8"),
+    b"<i4\0": np.dtype("<i4"),
+    b"<i8\0": np.dtype("<i8"),
+    b"|u1\0": np.dtype("|u1"),
+}
+_CODES = {dtype: code for code, dtype in ALLOWED_DTYPES.items()}
+_ID = re.compile(r"[0-9a-f]{64}")
+
+
+class BlobDecodeError(ValueError):
+    """These bytes are not a well-formed tilehive array blob."""
+
+
+class BlobMismatchError(ValueError):
+    """These bytes do not hash to the id they were fetched under."""
+
+
+def _canonical(x: np.ndarray) -> tuple[np.ndarray, bytes]:
+    code = _CODES.get(x.dtype.newbyteorder("<"))
+    if code is None:
+        allowed = ", ".join(str(d) for d in ALLOWED_DTYPES.values())
+        raise ValueError(f"cannot hash dtype {x.dtype}: allowed are {allowed}")
+    if x.ndim > MAX_NDIM:
+        raise ValueError(f"cannot hash a {x.ndim}-D array: at most {MAX_NDIM} dimensions")
+    data = np.ascontiguousarray(x, dtype=ALLOWED_DTYPES[code])
+    header = MAGIC + code + struct.pack(f"<I{x.ndim}Q", x.ndim, *x.shape)
+    return data, header
+
+
+def encode_array(x: np.ndarray) -> bytes:
+    """The canonical blob of an array (header + little-endian C-order bytes)."""
+    data, header = _canonical(np.asarray(x))
+    return header + data.tobytes()
+
+
+def array_id(x: np.ndarray) -> str:
+    """The id of encode_array(x), computed without building the blob."""
+    data, header = _canonical(np.asarray(x))
+    hasher = blake3(header)
+    hasher.update(memoryview(data).cast("B") if data.size else b"")
+    return hasher.hexdigest()
+
+
+def blob_id(data: bytes | bytearray | memoryview) -> str:
+    """The hex blake3 of some bytes: the name of a blob."""
+    return blake3(data).hexdigest()
+
+
+def is_blob_id(value: object) -> bool:
+    """True for a well-formed id: 64 lowercase hex digits."""
+    return isinstance(value, str) and _ID.fullmatch(value) is not None
+
+
+def verify_blob(data: bytes | bytearray | memoryview, expected_id: str) -> None:
+    """Raise BlobMismatchError unless the bytes hash to expected_id."""
+    actual = blob_id(data)
+    if actual != expected_id:
+        raise BlobMismatchError(
+            f"blob hash mismatch: expected {expected_id}, the bytes hash to {actual}"
+        )
+
+
+def decode_array(
+    blob: bytes | bytearray | memoryview, *, max_bytes: int | None = None
+) -> np.ndarray:
+    """Parse a blob into a read-only array; raise BlobDecodeError on anything malformed."""
+    view = memoryview(blob).cast("B")
+    if max_bytes is not None and len(view) > max_bytes:
+        raise BlobDecodeError(f"blob of {len(view)} bytes exceeds the limit of {max_bytes}")
+    fixed = len(MAGIC) + 8
+    if len(view) < fixed or bytes(view[: len(MAGIC)]) != MAGIC:
+        raise BlobDecodeError("not a tilehive array blob (bad magic)")
+    code = bytes(view[len(MAGIC) : len(MAGIC) + 4])
+    dtype = ALLOWED_DTYPES.get(code)
+    if dtype is None:
+        raise BlobDecodeError(f"unsupported dtype code {code!r}")
+    (ndim,) = struct.unpack_from("<I", view, len(MAGIC) + 4)
+    if ndim > MAX_NDIM:
+        raise BlobDecodeError(f"{ndim} dimensions, at most {MAX_NDIM} allowed")
+    if len(view) < fixed + 8 * ndim:
+        raise BlobDecodeError("blob ends inside its shape")
+    shape = struct.unpack_from(f"<{ndim}Q", view, fixed)
+    payload = len(view) - fixed - 8 * ndim
+    expected = dtype.itemsize * math.prod(shape)
+    if expected != payload:
+        raise BlobDecodeError(
+            f"shape {tuple(shape)} of {dtype} needs {expected} data bytes, the blob has {payload}"
+        )
+    array = np.frombuffer(view, dtype=dtype, offset=fixed + 8 * ndim).reshape(shape)
+    array.flags.writeable = False
+    return array

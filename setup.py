@@ -1,0 +1,28 @@
+"""Build the Cython kernels; everything else about the package lives in pyproject.toml."""
+
+import numpy
+from Cython.Build import cythonize
+from setuptools import Extension, setup
+
+# Determinism depends on these flags (docs/kernels.md): no fast-math, and no implicit
+# contraction of a*b+c into an FMA, so that the only FMAs are the ones the kernels write.
+DETERMINISTIC_CFLAGS = [
+    "-O3",
+    "-std=c11",
+    "-fno-fast-math",
+    "-fno-unsafe-math-optimizations",
+    "-ffp-contract=off",
+    "-fno-math-errno",
+]
+
+extensions = [
+    Extension(
+        "kernels._gemm",
+        ["kernels/_gemm.pyx", "kernels/gemm_impl.c"],
+        include_dirs=["kernels", numpy.get_include()],
+        extra_compile_args=DETERMINISTIC_CFLAGS,
+        define_macros=[("NPY_NO_DEPRECATED_API", "NPY_1_7_API_VERSION")],
+    ),
+]
+
+setup(ext_modules=cythonize(extensions, language_level=3))

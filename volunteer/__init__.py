@@ -1,0 +1,1 @@
+"""The volunteer side of tilehive: the daemon that pulls, computes and returns tiles."""
