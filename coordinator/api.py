@@ -1,0 +1,152 @@
+"""The HTTP face of the coordinator: aiohttp routes under /v1/ speaking msgpack."""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Awaitable, Callable
+
+from aiohttp import web
+
+from coordinator import protocol
+from coordinator.engine import Coordinator
+from coordinator.protocol import NotFound, ProtocolError, TooLarge, UnsupportedMediaType
+from kernels import is_blob_id
+
+log = logging.getLogger(__name__)
+
+COORDINATOR = web.AppKey("coordinator", Coordinator)
+MAX_REGISTER_BYTES = 16 << 10
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+
+def msgpack_response(message: dict, status: int = 200) -> web.Response:
+    return web.Response(
+        body=protocol.encode(message), status=status, content_type=protocol.CONTENT_TYPE
+    )
+
+
+def error_response(status: int, code: str, message: str) -> web.Response:
+    return msgpack_response({"error": code, "message": message}, status=status)
+
+
+@web.middleware
+async def errors(request: web.Request, handler: Handler) -> web.StreamResponse:
+    """Every refusal is a 4xx with a msgpack {error, message} body and one log line."""
+    try:
+        return await handler(request)
+    except ProtocolError as exc:
+        log.warning(
+            "%s %s from %s: %d %s",
+            request.method,
+            request.path,
+            request.remote,
+            exc.status,
+            exc.message,
+        )
+        return error_response(exc.status, exc.code, exc.message)
+    except web.HTTPRequestEntityTooLarge as exc:
+        log.warning(
+            "%s %s from %s: 413 body too large", request.method, request.path, request.remote
+        )
+        return error_response(413, "too_large", exc.text or "body too large")
+    except web.HTTPException as exc:
+        if exc.status >= 400:
+            log.warning(
+                "%s %s from %s: %d", request.method, request.path, request.remote, exc.status
+            )
+            return error_response(exc.status, exc.reason.lower().replace(" ", "_"), exc.reason)
+        raise
+
+
+async def read_body(request: web.Request, limit: int) -> dict:
+    """The request's msgpack map, refusing other media types and bodies over `limit`."""
+    if request.content_type != protocol.CONTENT_TYPE:
+        raise UnsupportedMediaType(
+            f"send the body as {protocol.CONTENT_TYPE}, not {request.content_type or 'nothing'}"
+        )
+    if request.content_length is not None and request.content_length > limit:
+        raise TooLarge(f"body of {request.content_length} bytes exceeds the limit of {limit}")
+    body = bytearray()
+    while chunk := await request.content.read(1 << 16):
+        body += chunk
+        if len(body) > limit:
+            raise TooLarge(f"body exceeds the limit of {limit} bytes")
+    return protocol.decode(bytes(body), limit)
+
+
+def bearer(request: web.Request) -> str | None:
+    header = request.headers.get("Authorization", "")
+    scheme, _, token = header.partition(" ")
+    return token.strip() if scheme.lower() == "bearer" else None
+
+
+async def register(request: web.Request) -> web.Response:
+    co = request.app[COORDINATOR]
+    message = protocol.parse_register(await read_body(request, MAX_REGISTER_BYTES))
+    host, token = await co.register(message, time.time())
+    log.info("registered host %d %r from %s", host.id, host.name, request.remote)
+    return msgpack_response({"host_id": host.id, "token": token, "protocol": protocol.VERSION})
+
+
+async def request_work(request: web.Request) -> web.Response:
+    co = request.app[COORDINATOR]
+    host = co.authenticate(bearer(request))
+    message = protocol.parse_work_request(await read_body(request, co.config.max_request_bytes))
+    body = await co.request_work(host, message, time.time())
+    return web.Response(body=body, content_type=protocol.CONTENT_TYPE)
+
+
+async def report(request: web.Request) -> web.Response:
+    co = request.app[COORDINATOR]
+    host = co.authenticate(bearer(request))
+    message = protocol.parse_report(await read_body(request, co.config.max_report_bytes))
+    return msgpack_response(await co.report(host, message, time.time()))
+
+
+async def blob(request: web.Request) -> web.StreamResponse:
+    co = request.app[COORDINATOR]
+    co.authenticate(bearer(request))
+    blob_id = request.match_info["blob_id"]
+    if not is_blob_id(blob_id):
+        raise protocol.BadRequest(f"malformed blob id {blob_id!r:.80}")
+    path = co.blobs.path(blob_id)
+    if not path.is_file():
+        raise NotFound(f"no blob {blob_id}")
+    return web.FileResponse(path, headers={"Content-Type": "application/octet-stream"})
+
+
+async def status(request: web.Request) -> web.Response:
+    co = request.app[COORDINATOR]
+    return web.json_response(co.status())
+
+
+def create_app(coordinator: Coordinator) -> web.Application:
+    """The aiohttp application; the coordinator starts and stops with it."""
+    app = web.Application(
+        client_max_size=coordinator.config.max_report_bytes + (1 << 20), middlewares=[errors]
+    )
+    app[COORDINATOR] = coordinator
+
+    async def lifetime(app: web.Application):
+        await coordinator.start()
+        yield
+        await coordinator.stop()
+
+    app.cleanup_ctx.append(lifetime)
+    app.router.add_post("/v1/hosts", register)
+    app.router.add_post("/v1/work", request_work)
+    app.router.add_post("/v1/results", report)
+    app.router.add_get("/v1/blobs/{blob_id}", blob)
+    app.router.add_get("/v1/status", status)
+    return app
+
+
+async def serve(coordinator: Coordinator, host: str, port: int) -> tuple[web.AppRunner, str]:
+    """Start serving; returns the runner (call `cleanup()` to stop) and the base URL."""
+    runner = web.AppRunner(create_app(coordinator), access_log=None)
+    await runner.setup()
+    site = web.TCPSite(runner, host, port)
+    await site.start()
+    bound_host, bound_port = runner.addresses[0][:2]
+    return runner, f"http://{bound_host}:{bound_port}"

@@ -1,0 +1,86 @@
+"""Content-addressed blobs on disk: operand panels and output tiles, named by blake3."""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from pathlib import Path
+
+import numpy as np
+
+from kernels import blob_id, decode_array, encode_array, is_blob_id, verify_blob
+
+
+class BlobNotFound(KeyError):
+    """No blob with this id is stored."""
+
+
+class BlobStore:
+    """Blobs under `root/<first two hex digits>/<id>`, each written once and atomically.
+
+    A blob is written to a temporary file in its final directory, fsynced, renamed into
+    place and the directory fsynced, so after a crash a blob is either whole or absent.
+    Reads verify the bytes against the id, so a corrupted disk never feeds a tile.
+    """
+
+    def __init__(self, root: Path | str, max_blob_bytes: int) -> None:
+        self.root = Path(root)
+        self.max_blob_bytes = max_blob_bytes
+        self.root.mkdir(parents=True, exist_ok=True)
+
+    def path(self, blob: str) -> Path:
+        if not is_blob_id(blob):
+            raise ValueError(f"not a blob id: {blob!r}")
+        return self.root / blob[:2] / blob
+
+    def has(self, blob: str) -> bool:
+        return self.path(blob).is_file()
+
+    def size(self, blob: str) -> int:
+        try:
+            return self.path(blob).stat().st_size
+        except FileNotFoundError as exc:
+            raise BlobNotFound(blob) from exc
+
+    def put(self, data: bytes, expected: str | None = None) -> str:
+        """Store bytes (checked against `expected` when given) and return their id."""
+        if len(data) > self.max_blob_bytes:
+            raise ValueError(f"blob of {len(data)} bytes exceeds the limit {self.max_blob_bytes}")
+        if expected is None:
+            expected = blob_id(data)
+        else:
+            verify_blob(data, expected)
+        final = self.path(expected)
+        if final.is_file():
+            return expected
+        final.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=final.parent, prefix=".tmp-")
+        try:
+            with os.fdopen(fd, "wb") as f:
+                f.write(data)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, final)
+        except BaseException:
+            Path(tmp).unlink(missing_ok=True)
+            raise
+        dir_fd = os.open(final.parent, os.O_RDONLY)
+        try:
+            os.fsync(dir_fd)
+        finally:
+            os.close(dir_fd)
+        return expected
+
+    def put_array(self, array: np.ndarray) -> str:
+        return self.put(encode_array(array))
+
+    def get(self, blob: str) -> bytes:
+        try:
+            data = self.path(blob).read_bytes()
+        except FileNotFoundError as exc:
+            raise BlobNotFound(blob) from exc
+        verify_blob(data, blob)
+        return data
+
+    def get_array(self, blob: str) -> np.ndarray:
+        return decode_array(self.get(blob))

@@ -1,0 +1,600 @@
+"""The Coordinator: live work state, the host-facing operations, and the background loops
+(transitioner, validator, assimilator) that move work units to completion."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import random
+import secrets
+import time
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+from blake3 import blake3
+
+import kernels
+from coordinator import hosts as trust
+from coordinator.blobstore import BlobStore
+from coordinator.ledger import Ledger
+from coordinator.protocol import (
+    BadRequest,
+    Forbidden,
+    NotFound,
+    RegisterRequest,
+    ReportRequest,
+    Unauthorized,
+    WorkRequest,
+    encode,
+)
+from coordinator.scheduler import Scheduler, SchedulerConfig
+from coordinator.store import Event, Reply, Store
+from coordinator.store_sqlite import SqliteStore
+from coordinator.transitioner import transition
+from coordinator.workunits import (
+    WU_DECIDED,
+    Gemm,
+    GemmState,
+    Host,
+    Outcome,
+    Policy,
+    Redundancy,
+    Result,
+    ServerState,
+    WorkUnit,
+    WuState,
+)
+from validation import validator
+
+log = logging.getLogger(__name__)
+
+REPLIES_KEPT_PER_HOST = 16
+
+
+@dataclass(frozen=True, slots=True)
+class CoordinatorConfig:
+    """Every setting of a coordinator; project.toml and the command line map onto these."""
+
+    directory: Path
+    policy: Policy = Policy.QUORUM
+    redundancy: Redundancy = field(default_factory=Redundancy)
+    tile: int = 128
+    freivalds_rounds: int = 16
+    tail_fraction: float = 0.9  # share of a GEMM's tiles done before spares are issued
+    max_blob_bytes: int = 64 << 20
+    max_report_bytes: int = 96 << 20
+    max_request_bytes: int = 1 << 20
+    reply_ttl: float = 3600.0
+    no_work_delay: float = 1.0  # seconds a host is asked to wait when there is no work
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    trust: trust.TrustConfig = field(default_factory=trust.TrustConfig)
+    seed: int | None = None  # scheduler randomness (adaptive replication); None: from the OS
+
+
+class GemmFailed(RuntimeError):
+    """A work unit of this GEMM failed for good; the message says which and why."""
+
+
+def redundancy_for(policy: Policy, base: Redundancy) -> Redundancy:
+    """Freivalds alone needs one replica; the quorum policies need min_quorum of them."""
+    if policy is Policy.FREIVALDS:
+        return Redundancy(1, 1, base.max_error_results, base.max_total_results, base.delay_bound)
+    return base
+
+
+def load_secret(directory: Path) -> bytes:
+    """The verifier's Freivalds key: 32 random bytes in DIR/secret.key, readable only by us."""
+    path = directory / "secret.key"
+    if not path.exists():
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        with os.fdopen(fd, "wb") as f:
+            f.write(secrets.token_bytes(32))
+            f.flush()
+            os.fsync(f.fileno())
+    key = path.read_bytes()
+    if len(key) != 32:
+        raise RuntimeError(f"{path} must hold 32 bytes; delete it to make a new key")
+    return key
+
+
+def token_hash(token: str) -> str:
+    return blake3(token.encode()).hexdigest()
+
+
+@dataclass(slots=True)
+class GemmOutput:
+    """An awaited product being filled tile by tile."""
+
+    gemm: Gemm | None  # None while its work is being published
+    out: np.ndarray
+    remaining: set[str]
+    done: asyncio.Future
+
+
+class Coordinator:
+    def __init__(self, config: CoordinatorConfig, store: Store | None = None) -> None:
+        self.config = config
+        self.directory = Path(config.directory)
+        self.directory.mkdir(parents=True, exist_ok=True)
+        self.store = store or SqliteStore(self.directory / "state.db")
+        self.blobs = BlobStore(self.directory / "blobs", config.max_blob_bytes)
+        self.ledger = Ledger(self.store)
+        rng = random.Random(config.seed) if config.seed is not None else random.SystemRandom()
+        self.scheduler = Scheduler(self.ledger, config.scheduler, rng)
+        self.key = load_secret(self.directory)
+        self.outputs: dict[str, GemmOutput] = {}
+        self._replies: dict[int, OrderedDict[str, bytes]] = {}
+        self._checks: dict[str, validator.Check] = {}
+        self._to_validate: set[str] = set()
+        self._wake = asyncio.Event()
+        self._tasks: list[asyncio.Task] = []
+        self.stats = {"bytes_saved": 0, "tiles_in": 0, "work_requests": 0}
+
+    # ---- life cycle ----------------------------------------------------------------------
+
+    async def start(self) -> None:
+        await self.store.open()
+        snapshot = await self.store.load()
+        self.ledger.restore(snapshot)
+        for wu in snapshot.workunits:
+            if wu.state is WuState.ACTIVE:
+                self._to_validate.add(wu.id)
+            for panel in (wu.a_panel, wu.b_panel):
+                if panel not in self.ledger.panel_bytes and self.blobs.has(panel):
+                    self.ledger.panel_bytes[panel] = self.blobs.size(panel)
+        if snapshot.gemms:
+            log.info(
+                "resuming %d GEMMs with %d work units",
+                len(snapshot.gemms),
+                len(snapshot.workunits),
+            )
+        self._tasks.append(asyncio.create_task(self._run_loop(), name="tilehive-transitioner"))
+
+    async def stop(self) -> None:
+        for task in self._tasks:
+            task.cancel()
+        for task in self._tasks:
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        self._tasks.clear()
+        await self.ledger.flush()
+        await self.store.close()
+
+    def wake(self) -> None:
+        self._wake.set()
+
+    # ---- hosts ---------------------------------------------------------------------------
+
+    async def register(self, request: RegisterRequest, now: float) -> tuple[Host, str]:
+        token = secrets.token_hex(32)
+        host_id = max(self.ledger.hosts, default=0) + 1
+        host = Host(
+            id=host_id,
+            name=request.name,
+            token_hash=token_hash(token),
+            created=now,
+            last_contact=now,
+            gflops=request.gflops,
+            threads=request.threads,
+            max_memory_mb=request.max_memory_mb,
+        )
+        host = host.evolve(max_in_progress=trust.full_quota(host, self.config.trust))
+        self.ledger.put_host(host)
+        self.ledger.log(
+            [Event(now, "host", "registered", f"host {host_id} {request.name!r}", host_id=host_id)]
+        )
+        await self.ledger.flush()
+        return host, token
+
+    def authenticate(self, token: str | None) -> Host:
+        if not token:
+            raise Unauthorized("missing 'Authorization: Bearer <token>' header")
+        host_id = self.ledger.host_by_token.get(token_hash(token))
+        if host_id is None:
+            raise Unauthorized("unknown token: register again")
+        return self.ledger.hosts[host_id]
+
+    async def request_work(self, host: Host, request: WorkRequest, now: float) -> bytes:
+        """The answer to a work request; a repeated request id gets the same bytes back."""
+        self.stats["work_requests"] += 1
+        stored = self._replies.get(host.id, {}).get(request.request_id)
+        if stored is None:
+            stored = await self.store.reply(host.id, request.request_id)
+        if stored is not None:
+            return stored
+        if host.quarantined:
+            raise Forbidden(
+                f"host {host.id} is quarantined after {host.invalid_count} invalid results"
+            )
+        host = host.evolve(last_contact=now)
+        if request.gflops:
+            host = host.evolve(gflops=request.gflops)
+        self.ledger.put_host(host)
+        plan = self.scheduler.plan(host, request, now)
+        self.ledger.log(plan.events)
+        self.stats["bytes_saved"] += plan.bytes_saved
+        assignments = [self._assignment_message(a.wu, a.result, now) for a in plan.assignments]
+        message = {
+            "assignments": assignments,
+            "abort": plan.abort,
+            "bytes_saved": plan.bytes_saved,
+            "delay": 0.0 if assignments else self.config.no_work_delay,
+        }
+        body = encode(message)
+        self._remember_reply(host.id, request.request_id, body, now)
+        await self.ledger.flush()
+        return body
+
+    def _assignment_message(self, wu: WorkUnit, result: Result, now: float) -> dict:
+        m, n, k = wu.shape
+        return {
+            "result_id": result.id,
+            "wu_id": wu.id,
+            "a": wu.a_panel,
+            "b": wu.b_panel,
+            "a_bytes": self.ledger.panel_bytes.get(wu.a_panel, 0),
+            "b_bytes": self.ledger.panel_bytes.get(wu.b_panel, 0),
+            "trans_a": wu.trans_a,
+            "trans_b": wu.trans_b,
+            "m": m,
+            "n": n,
+            "k": k,
+            "upload": "tile" if result.upload_tile else "hash",
+            "deadline_in": max(0.0, (result.report_deadline or now) - now),
+            "kernel_version": wu.kernel_version,
+        }
+
+    def _remember_reply(self, host_id: int, request_id: str, body: bytes, now: float) -> None:
+        recent = self._replies.setdefault(host_id, OrderedDict())
+        recent[request_id] = body
+        while len(recent) > REPLIES_KEPT_PER_HOST:
+            recent.popitem(last=False)
+        self.ledger.remember_reply(Reply(host_id, request_id, now, body))
+
+    async def report(self, host: Host, request: ReportRequest, now: float) -> dict:
+        """Accept a batch of results: all entries are checked before any is applied."""
+        checked = []
+        for entry in request.results:
+            result = self.ledger.results.get(entry.result_id)
+            if result is None:
+                raise NotFound(f"unknown result {entry.result_id}")
+            if result.host_id != host.id:
+                raise Forbidden(f"result {entry.result_id} is not assigned to host {host.id}")
+            wu = self.ledger.wus[result.wu_id]
+            tile = None
+            if entry.tile is not None:
+                tile = self._check_tile(wu, entry.result_id, entry.output_hash, entry.tile)
+            elif entry.error is None and result.upload_tile and wu.state not in WU_DECIDED:
+                raise BadRequest(f"result {entry.result_id}: the assignment asked for the tile")
+            checked.append((entry, result, wu, tile))
+        summary: dict[str, list[str]] = {"accepted": [], "late": [], "duplicate": []}
+        for entry, result, wu, tile in checked:
+            if tile is not None:
+                await asyncio.to_thread(self.blobs.put, tile, entry.output_hash)
+            summary[self._apply_report(host, entry, result, wu, tile is not None, now)].append(
+                entry.result_id
+            )
+        self.ledger.put_host(self.ledger.hosts[host.id].evolve(last_contact=now))
+        await self.ledger.flush()
+        self.wake()
+        return summary
+
+    def _check_tile(self, wu: WorkUnit, result_id: str, claimed: str, tile: bytes) -> bytes:
+        m, n, _ = wu.shape
+        if len(tile) > self.config.max_blob_bytes:
+            raise BadRequest(f"result {result_id}: tile of {len(tile)} bytes is over the limit")
+        try:
+            kernels.verify_blob(tile, claimed)
+            array = kernels.decode_array(tile)
+        except ValueError as exc:
+            raise BadRequest(f"result {result_id}: {exc}") from exc
+        if array.dtype != np.float32 or array.shape != (m, n):
+            raise BadRequest(
+                f"result {result_id}: tile must be float32 of shape {(m, n)}, "
+                f"got {array.dtype} {array.shape}"
+            )
+        return tile
+
+    def _apply_report(self, host, entry, result: Result, wu: WorkUnit, has_tile, now) -> str:
+        if result.outcome in (Outcome.SUCCESS, Outcome.CLIENT_ERROR):
+            return "duplicate"
+        late = result.server_state is ServerState.OVER
+        event = Event(now, "result", "", "", wu.step, wu.gemm_id, wu.id, result.id, host.id)
+        if entry.error is not None:
+            if late:
+                return "late"
+            self.ledger.put_result(
+                result.evolve(
+                    server_state=ServerState.OVER,
+                    outcome=Outcome.CLIENT_ERROR,
+                    received_time=now,
+                    error=entry.error,
+                )
+            )
+            self.ledger.put_host(trust.after_error(self.ledger.hosts[host.id], self.config.trust))
+            self.ledger.log([_with(event, "client_error", f"host error: {entry.error}")])
+        else:
+            self.ledger.put_result(
+                result.evolve(
+                    server_state=ServerState.OVER,
+                    outcome=Outcome.SUCCESS,
+                    received_time=now,
+                    output_hash=entry.output_hash,
+                    has_tile=has_tile,
+                )
+            )
+            self.stats["tiles_in"] += 1
+            what = "tile" if has_tile else "hash"
+            message = f"{what} {entry.output_hash[:16]} in {entry.seconds:.2f}s"
+            self.ledger.log([_with(event, "success", ("late " if late else "") + message)])
+            self._to_validate.add(wu.id)
+        self.ledger.touched.add(wu.id)
+        return "late" if late else "accepted"
+
+    def status(self) -> dict:
+        """A summary for operators and `tilehive status`."""
+        ledger = self.ledger
+        return {
+            "gemms_active": sum(1 for g in ledger.gemms.values() if g.state is GemmState.ACTIVE),
+            "workunits": _count(wu.state.value for wu in ledger.wus.values()),
+            "results": _count(r.server_state.value for r in ledger.results.values()),
+            "hosts": len(ledger.hosts),
+            "hosts_quarantined": sum(1 for h in ledger.hosts.values() if h.quarantined),
+            **self.stats,
+        }
+
+    # ---- background: transitioner, validator, assimilator ----------------------------------
+
+    async def _run_loop(self) -> None:
+        while True:
+            try:
+                await self.step(time.time())
+            except asyncio.CancelledError:
+                raise
+            except Exception:
+                log.exception("coordinator loop failed; stopping")
+                raise
+            delay = min(self.ledger.next_due() - time.time(), 1.0)
+            if self._wake.is_set() or self.ledger.touched or self._to_validate:
+                delay = 0
+            self._wake.clear()
+            if delay > 0:
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self._wake.wait(), timeout=delay)
+            else:
+                await asyncio.sleep(0)
+
+    async def step(self, now: float) -> None:
+        """One pass: validate what arrived, move due work units on, assimilate, commit."""
+        to_validate, self._to_validate = self._to_validate, set()
+        for wu_id in sorted(to_validate):
+            await self._validate(wu_id, now)
+        for wu_id in sorted(self.ledger.pop_due(now)):
+            self._transition(wu_id, now)
+        self._accelerate_tails(now)
+        await self.ledger.flush()
+
+    def _transition(self, wu_id: str, now: float) -> None:
+        wu = self.ledger.wus[wu_id]
+        if wu.state in (WuState.ASSIMILATED, WuState.ERROR) and not any(
+            r.server_state is ServerState.UNSENT for r in self.ledger.results_for(wu_id)
+        ):
+            return
+        change = transition(wu, self.ledger.results_for(wu_id), now, new_result_id)
+        for result in change.results:
+            if result.outcome is Outcome.NO_REPLY and result.host_id in self.ledger.hosts:
+                host = self.ledger.hosts[result.host_id]
+                self.ledger.put_host(trust.after_error(host, self.config.trust))
+        for result in change.results:
+            self.ledger.put_result(result)
+        if change.wu != wu:
+            self.ledger.put_wu(change.wu)
+        self.ledger.log(change.events)
+        if change.failed:
+            self._fail_gemm(change.wu, change.failed, now)
+
+    async def _validate(self, wu_id: str, now: float) -> None:
+        wu = self.ledger.wus.get(wu_id)
+        if wu is None:
+            return
+        results = self.ledger.results_for(wu_id)
+        for result in validator.tiles_to_check(wu, results):
+            if result.id not in self._checks:
+                self._checks[result.id] = await asyncio.to_thread(self._freivalds, wu, result)
+        decision = validator.decide(wu, results, self._checks, now)
+        for result, valid in decision.verdicts:
+            host = self.ledger.hosts.get(result.host_id)
+            if host is not None:
+                update = trust.after_valid if valid else trust.after_invalid
+                changed = update(host, self.config.trust)
+                if changed.quarantined and not host.quarantined:
+                    self.ledger.log(
+                        [
+                            Event(
+                                now,
+                                "host",
+                                "quarantined",
+                                f"host {host.id} quarantined after {changed.invalid_count} "
+                                "invalid results",
+                                host_id=host.id,
+                            )
+                        ]
+                    )
+                self.ledger.put_host(changed)
+        for result in decision.results:
+            self.ledger.put_result(result)
+        if decision.wu != wu:
+            self.ledger.put_wu(decision.wu)
+        self.ledger.log(decision.events)
+        self.ledger.touched.add(wu_id)
+        if decision.decided:
+            self._cancel_rest(decision.wu, now)
+            await self._assimilate(decision.wu, now)
+
+    def _freivalds(self, wu: WorkUnit, result: Result) -> validator.Check:
+        from validation import freivalds
+
+        a = self.blobs.get_array(wu.a_panel)
+        b = self.blobs.get_array(wu.b_panel)
+        c = self.blobs.get_array(result.output_hash)
+        return freivalds.verify(
+            np.ascontiguousarray(a),
+            np.ascontiguousarray(b),
+            np.ascontiguousarray(c),
+            trans_a=wu.trans_a,
+            trans_b=wu.trans_b,
+            key=self.key,
+            wu_id=wu.id,
+            rounds=self.config.freivalds_rounds,
+        )
+
+    def _cancel_rest(self, wu: WorkUnit, now: float) -> None:
+        """The first valid result won: in-progress replicas are aborted, unsent ones dropped."""
+        for r in self.ledger.results_for(wu.id):
+            if r.server_state is ServerState.IN_PROGRESS:
+                self.ledger.put_result(
+                    r.evolve(server_state=ServerState.OVER, outcome=Outcome.ABORTED)
+                )
+                self.ledger.log(
+                    [
+                        Event(
+                            now,
+                            "result",
+                            "aborted",
+                            "not needed: the work unit is validated",
+                            wu.step,
+                            wu.gemm_id,
+                            wu.id,
+                            r.id,
+                            r.host_id,
+                        )
+                    ]
+                )
+
+    async def _assimilate(self, wu: WorkUnit, now: float) -> None:
+        output = self.outputs.get(wu.gemm_id)
+        if output is None or wu.id not in output.remaining:
+            return
+        tile = await asyncio.to_thread(self.blobs.get_array, wu.canonical_hash)
+        output.out[wu.i0 : wu.i1, wu.j0 : wu.j1] = tile
+        output.remaining.discard(wu.id)
+        if wu.state is not WuState.ASSIMILATED:
+            self.ledger.put_wu(wu.evolve(state=WuState.ASSIMILATED))
+            self.ledger.log(
+                [
+                    Event(
+                        now,
+                        "wu",
+                        "assimilated",
+                        f"tile [{wu.i0}:{wu.i1}, {wu.j0}:{wu.j1}] written",
+                        wu.step,
+                        wu.gemm_id,
+                        wu.id,
+                    )
+                ]
+            )
+        if not output.remaining:
+            await self.finish_gemm(output, now)
+
+    async def finish_gemm(self, output: GemmOutput, now: float) -> None:
+        gemm = output.gemm.evolve(state=GemmState.DONE)
+        self.ledger.put_gemm(gemm)
+        self.ledger.log(
+            [
+                Event(
+                    now,
+                    "gemm",
+                    "done",
+                    f"{gemm.label or 'gemm'} {gemm.m}x{gemm.n}x{gemm.k} complete",
+                    gemm.step,
+                    gemm.id,
+                )
+            ]
+        )
+        await self.ledger.flush()
+        del self.outputs[gemm.id]
+        self.ledger.forget_gemm(gemm.id)
+        for result_id in [r for r in self._checks if r not in self.ledger.results]:
+            del self._checks[result_id]
+        if not output.done.done():
+            output.done.set_result(output.out)
+
+    def _fail_gemm(self, wu: WorkUnit, reason: str, now: float) -> None:
+        gemm = self.ledger.gemms.get(wu.gemm_id)
+        if gemm is None or gemm.state is not GemmState.ACTIVE:
+            return
+        message = (
+            f"GEMM {gemm.label or gemm.id[:12]} of step {gemm.step} failed: work unit "
+            f"{wu.id[:12]} [{wu.i0}:{wu.i1}, {wu.j0}:{wu.j1}]: {reason}"
+        )
+        log.error(message)
+        self.ledger.put_gemm(gemm.evolve(state=GemmState.FAILED, error=message))
+        self.ledger.log([Event(now, "gemm", "failed", message, gemm.step, gemm.id, wu.id)])
+        output = self.outputs.pop(gemm.id, None)
+        if output is not None and not output.done.done():
+            output.done.set_exception(GemmFailed(message))
+
+    def _accelerate_tails(self, now: float) -> None:
+        """Spare replicas for the last work units of a GEMM that is nearly done."""
+        for output in list(self.outputs.values()):
+            if output.gemm is None:
+                continue
+            wus = self.ledger.workunits_for(output.gemm.id)
+            if not wus:
+                continue
+            done = sum(1 for wu in wus if wu.state in WU_DECIDED)
+            if done == len(wus) or done < self.config.tail_fraction * len(wus):
+                continue
+            for wu in wus:
+                if wu.state is not WuState.ACTIVE or wu.accelerated:
+                    continue
+                if not any(
+                    r.server_state is ServerState.IN_PROGRESS
+                    for r in self.ledger.results_for(wu.id)
+                ):
+                    continue
+                spare = wu.evolve(target_nresults=wu.target_nresults + 1, accelerated=True)
+                self.ledger.put_wu(spare)
+                self.ledger.touched.add(wu.id)
+                self.ledger.log(
+                    [
+                        Event(
+                            now,
+                            "wu",
+                            "accelerated",
+                            f"tail: {done}/{len(wus)} tiles done; spare replica for a fast host",
+                            wu.step,
+                            wu.gemm_id,
+                            wu.id,
+                        )
+                    ]
+                )
+
+
+def new_result_id() -> str:
+    return secrets.token_hex(16)
+
+
+def _with(event: Event, state: str, message: str) -> Event:
+    return Event(
+        event.time,
+        event.kind,
+        state,
+        message,
+        event.step,
+        event.gemm_id,
+        event.wu_id,
+        event.result_id,
+        event.host_id,
+    )
+
+
+def _count(values) -> dict[str, int]:
+    counts: dict[str, int] = {}
+    for value in values:
+        counts[value] = counts.get(value, 0) + 1
+    return counts

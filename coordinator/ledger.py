@@ -1,0 +1,172 @@
+"""The live state of the work in memory, with the indexes the scheduler needs, written
+through to the store in batches."""
+
+from __future__ import annotations
+
+import asyncio
+import heapq
+import math
+from collections import defaultdict
+
+from coordinator.store import Batch, Event, Reply, Snapshot, Store
+from coordinator.workunits import (
+    WU_TERMINAL,
+    Gemm,
+    GemmState,
+    Host,
+    Result,
+    ServerState,
+    WorkUnit,
+)
+
+
+class Ledger:
+    """Latest version of every live record; every change is queued for the next commit.
+
+    The coordinator is one asyncio task set: records change only between awaits, and
+    `flush` commits queued changes in order, so a reply sent after `await flush()` never
+    promises something the database does not hold.
+    """
+
+    def __init__(self, store: Store) -> None:
+        self.store = store
+        self.gemms: dict[str, Gemm] = {}
+        self.wus: dict[str, WorkUnit] = {}
+        self.results: dict[str, Result] = {}
+        self.hosts: dict[int, Host] = {}
+        self.results_of: dict[str, dict[str, None]] = defaultdict(dict)
+        self.wus_of: dict[str, dict[str, None]] = defaultdict(dict)
+        self.hosts_of_wu: dict[str, set[int]] = defaultdict(set)
+        self.in_progress_of: dict[int, dict[str, None]] = defaultdict(dict)
+        self.host_by_token: dict[str, int] = {}
+        # Unsent results, oldest first, and the same indexed by operand panel.
+        self.unsent: dict[str, None] = {}
+        self.unsent_by_panel: dict[str, dict[str, None]] = defaultdict(dict)
+        self.panel_bytes: dict[str, int] = {}
+        # (transition_time, wu id): work units the transitioner must look at by then.
+        self.due: list[tuple[float, str]] = []
+        # Work units changed by a report or a decision, for the transitioner's next pass.
+        self.touched: set[str] = set()
+        self._batch = Batch()
+        self._lock = asyncio.Lock()
+
+    # ---- reading -------------------------------------------------------------------------
+
+    def results_for(self, wu_id: str) -> list[Result]:
+        return [self.results[r] for r in self.results_of.get(wu_id, ())]
+
+    def workunits_for(self, gemm_id: str) -> list[WorkUnit]:
+        return [self.wus[w] for w in self.wus_of.get(gemm_id, ())]
+
+    # ---- changing ------------------------------------------------------------------------
+
+    def put_gemm(self, gemm: Gemm) -> None:
+        self.gemms[gemm.id] = gemm
+        self._batch.gemms[gemm.id] = gemm
+
+    def put_host(self, host: Host) -> None:
+        self.hosts[host.id] = host
+        self.host_by_token[host.token_hash] = host.id
+        self._batch.hosts[host.id] = host
+
+    def put_wu(self, wu: WorkUnit) -> None:
+        self.wus[wu.id] = wu
+        self.wus_of[wu.gemm_id][wu.id] = None
+        self._batch.workunits[wu.id] = wu
+        self._schedule(wu)
+
+    def _schedule(self, wu: WorkUnit) -> None:
+        if math.isfinite(wu.transition_time):
+            heapq.heappush(self.due, (wu.transition_time, wu.id))
+
+    def pop_due(self, now: float) -> set[str]:
+        """Work units whose transition time has come, plus the touched ones."""
+        ready, self.touched = self.touched, set()
+        while self.due and self.due[0][0] <= now:
+            ready.add(heapq.heappop(self.due)[1])
+        return {w for w in ready if w in self.wus}
+
+    def next_due(self) -> float:
+        return self.due[0][0] if self.due else math.inf
+
+    def put_result(self, result: Result) -> None:
+        old = self.results.get(result.id)
+        if old is not None:
+            self._unindex(old)
+        self.results[result.id] = result
+        self._index(result)
+        self._batch.results[result.id] = result
+
+    def log(self, events: list[Event]) -> None:
+        self._batch.events.extend(events)
+
+    def remember_reply(self, reply: Reply) -> None:
+        self._batch.replies.append(reply)
+
+    def _index(self, r: Result) -> None:
+        self.results_of[r.wu_id][r.id] = None
+        if r.host_id is not None:
+            self.hosts_of_wu[r.wu_id].add(r.host_id)
+        if r.server_state is ServerState.UNSENT:
+            self.unsent[r.id] = None
+            wu = self.wus[r.wu_id]
+            self.unsent_by_panel[wu.a_panel][r.id] = None
+            self.unsent_by_panel[wu.b_panel][r.id] = None
+        elif r.server_state is ServerState.IN_PROGRESS and r.host_id is not None:
+            self.in_progress_of[r.host_id][r.id] = None
+
+    def _unindex(self, r: Result) -> None:
+        if r.server_state is ServerState.UNSENT:
+            self.unsent.pop(r.id, None)
+            wu = self.wus[r.wu_id]
+            for panel in (wu.a_panel, wu.b_panel):
+                index = self.unsent_by_panel.get(panel)
+                if index is not None:
+                    index.pop(r.id, None)
+                    if not index:
+                        del self.unsent_by_panel[panel]
+        elif r.server_state is ServerState.IN_PROGRESS and r.host_id is not None:
+            self.in_progress_of[r.host_id].pop(r.id, None)
+
+    def forget_gemm(self, gemm_id: str) -> None:
+        """Drop a finished GEMM's records from memory (they stay in the store)."""
+        for wu_id in list(self.wus_of.pop(gemm_id, ())):
+            for result_id in list(self.results_of.pop(wu_id, ())):
+                result = self.results.pop(result_id)
+                self._unindex(result)
+            self.hosts_of_wu.pop(wu_id, None)
+            self.wus.pop(wu_id, None)
+        gemm = self.gemms.pop(gemm_id, None)
+        if gemm is not None and gemm.state is GemmState.ACTIVE:
+            raise RuntimeError(f"forgetting active GEMM {gemm_id}")
+
+    def restore(self, snapshot: Snapshot) -> None:
+        """Fill memory from committed state (at start, nothing is queued)."""
+        for host in snapshot.hosts:
+            self.hosts[host.id] = host
+            self.host_by_token[host.token_hash] = host.id
+        for gemm in snapshot.gemms:
+            self.gemms[gemm.id] = gemm
+        for wu in snapshot.workunits:
+            self.wus[wu.id] = wu
+            self.wus_of[wu.gemm_id][wu.id] = None
+            self.touched.add(wu.id)
+        for result in snapshot.results:
+            self.results[result.id] = result
+            self._index(result)
+
+    def live_wus(self) -> list[WorkUnit]:
+        return [wu for wu in self.wus.values() if wu.state not in WU_TERMINAL]
+
+    # ---- committing ----------------------------------------------------------------------
+
+    @property
+    def dirty(self) -> bool:
+        return bool(self._batch)
+
+    async def flush(self) -> None:
+        """Commit everything queued so far (group commit: one transaction for many changes)."""
+        async with self._lock:
+            batch, self._batch = self._batch, Batch()
+            if batch:
+                await self.store.commit(batch)

@@ -1,0 +1,235 @@
+"""The wire protocol: msgpack messages under /v1/, parsed and checked at the edge.
+
+Nothing deeper in the coordinator sees raw bytes: a request body becomes one of the frozen
+messages below or a ProtocolError carrying the HTTP status and a message for the client.
+docs/protocol.md describes every endpoint, field and error.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import msgpack
+
+from kernels import is_blob_id
+
+VERSION = 1
+CONTENT_TYPE = "application/msgpack"
+
+MAX_NAME = 64
+MAX_REQUEST_ID = 64
+MAX_CAPACITY = 64
+MAX_CACHED = 4096
+MAX_IN_PROGRESS = 1024
+MAX_REPORTS = 64
+MAX_ERROR_TEXT = 1000
+
+
+class ProtocolError(Exception):
+    """A request the coordinator refuses: an HTTP status, a short code and a message."""
+
+    status = 400
+    code = "bad_request"
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message)
+        self.message = message
+
+
+class BadRequest(ProtocolError):
+    """The body is not a well-formed message of this endpoint."""
+
+
+class Unauthorized(ProtocolError):
+    """No token, or a token no host has."""
+
+    status = 401
+    code = "unauthorized"
+
+
+class Forbidden(ProtocolError):
+    """The host may not do this (another host's result, or it is quarantined)."""
+
+    status = 403
+    code = "forbidden"
+
+
+class NotFound(ProtocolError):
+    """No such blob or result."""
+
+    status = 404
+    code = "not_found"
+
+
+class TooLarge(ProtocolError):
+    """The body is over this endpoint's size limit."""
+
+    status = 413
+    code = "too_large"
+
+
+class UnsupportedMediaType(ProtocolError):
+    """The body is not msgpack."""
+
+    status = 415
+    code = "unsupported_media_type"
+
+
+def encode(message: dict[str, Any]) -> bytes:
+    return msgpack.packb(message, use_bin_type=True)
+
+
+def decode(body: bytes, max_bytes: int) -> dict[str, Any]:
+    """A msgpack map from a request body, or BadRequest/TooLarge."""
+    if len(body) > max_bytes:
+        raise TooLarge(f"body of {len(body)} bytes exceeds this endpoint's limit of {max_bytes}")
+    try:
+        message = msgpack.unpackb(body, raw=False, strict_map_key=True)
+    except Exception as exc:  # msgpack raises several unrelated types for bad input
+        raise BadRequest(f"body is not valid msgpack: {type(exc).__name__}: {exc}") from exc
+    if not isinstance(message, dict):
+        raise BadRequest(f"body must be a msgpack map, got {type(message).__name__}")
+    return message
+
+
+def _get(message: dict, key: str, kind: type | tuple[type, ...], default: Any = ...) -> Any:
+    if key not in message:
+        if default is ...:
+            raise BadRequest(f"missing field {key!r}")
+        return default
+    value = message[key]
+    if value is None and default is None:
+        return None
+    # bool is an int in Python; never accept it where a number is asked for.
+    if isinstance(value, bool) and bool not in (kind if isinstance(kind, tuple) else (kind,)):
+        raise BadRequest(f"field {key!r} must be {_kind_name(kind)}, got bool")
+    if not isinstance(value, kind):
+        raise BadRequest(f"field {key!r} must be {_kind_name(kind)}, got {type(value).__name__}")
+    return value
+
+
+def _kind_name(kind: type | tuple[type, ...]) -> str:
+    kinds = kind if isinstance(kind, tuple) else (kind,)
+    return " or ".join(k.__name__ for k in kinds)
+
+
+def _number(message: dict, key: str, low: float, high: float, default: Any = ...) -> float:
+    value = _get(message, key, (int, float), default)
+    if value is None:
+        return value
+    if not math.isfinite(value) or not low <= value <= high:
+        raise BadRequest(f"field {key!r} must be between {low} and {high}, got {value}")
+    return value
+
+
+def _ids(message: dict, key: str, limit: int, check: Any) -> tuple[str, ...]:
+    values = _get(message, key, list, [])
+    if len(values) > limit:
+        raise BadRequest(f"field {key!r} lists {len(values)} entries, at most {limit} allowed")
+    for value in values:
+        if not check(value):
+            raise BadRequest(f"field {key!r} holds a malformed id: {value!r:.80}")
+    return tuple(values)
+
+
+def is_result_id(value: object) -> bool:
+    return (
+        isinstance(value, str) and len(value) == 32 and all(c in "0123456789abcdef" for c in value)
+    )
+
+
+@dataclass(frozen=True, slots=True)
+class RegisterRequest:
+    name: str
+    gflops: float
+    threads: int
+    max_memory_mb: int
+
+
+def parse_register(message: dict[str, Any]) -> RegisterRequest:
+    name = _get(message, "name", str)
+    if not 1 <= len(name) <= MAX_NAME or not name.isprintable():
+        raise BadRequest(f"field 'name' must be 1 to {MAX_NAME} printable characters")
+    return RegisterRequest(
+        name=name,
+        gflops=float(_number(message, "gflops", 0.0, 1e6, 1.0)),
+        threads=int(_number(message, "threads", 1, 4096, 1)),
+        max_memory_mb=int(_number(message, "max_memory_mb", 0, 1 << 24, 0)),
+    )
+
+
+@dataclass(frozen=True, slots=True)
+class WorkRequest:
+    request_id: str
+    capacity: int
+    cached: tuple[str, ...]
+    in_progress: tuple[str, ...]
+    gflops: float | None
+
+
+def parse_work_request(message: dict[str, Any]) -> WorkRequest:
+    request_id = _get(message, "request_id", str)
+    if not 1 <= len(request_id) <= MAX_REQUEST_ID or not request_id.isprintable():
+        raise BadRequest(f"field 'request_id' must be 1 to {MAX_REQUEST_ID} printable characters")
+    capacity = _get(message, "capacity", int)
+    if not 0 <= capacity <= MAX_CAPACITY:
+        raise BadRequest(f"field 'capacity' must be between 0 and {MAX_CAPACITY}, got {capacity}")
+    gflops = _number(message, "gflops", 0.0, 1e6, None)
+    return WorkRequest(
+        request_id=request_id,
+        capacity=capacity,
+        cached=_ids(message, "cached", MAX_CACHED, is_blob_id),
+        in_progress=_ids(message, "in_progress", MAX_IN_PROGRESS, is_result_id),
+        gflops=None if gflops is None else float(gflops),
+    )
+
+
+@dataclass(frozen=True, slots=True)
+class ResultReport:
+    result_id: str
+    output_hash: str | None  # None when the host reports an error
+    tile: bytes | None  # the tile blob, when the assignment asked for it
+    error: str | None
+    seconds: float
+
+
+@dataclass(frozen=True, slots=True)
+class ReportRequest:
+    results: tuple[ResultReport, ...]
+
+
+def parse_report(message: dict[str, Any]) -> ReportRequest:
+    entries = _get(message, "results", list)
+    if not 1 <= len(entries) <= MAX_REPORTS:
+        raise BadRequest(f"field 'results' must list 1 to {MAX_REPORTS} results")
+    reports = []
+    for index, entry in enumerate(entries):
+        if not isinstance(entry, dict):
+            raise BadRequest(f"results[{index}] must be a map")
+        try:
+            reports.append(_parse_one_report(entry))
+        except BadRequest as exc:
+            raise BadRequest(f"results[{index}]: {exc.message}") from exc
+    ids = [r.result_id for r in reports]
+    if len(set(ids)) != len(ids):
+        raise BadRequest("field 'results' names a result more than once")
+    return ReportRequest(results=tuple(reports))
+
+
+def _parse_one_report(entry: dict[str, Any]) -> ResultReport:
+    result_id = _get(entry, "result_id", str)
+    if not is_result_id(result_id):
+        raise BadRequest(f"malformed result id {result_id!r:.80}")
+    error = _get(entry, "error", str, None)
+    output_hash = _get(entry, "hash", str, None)
+    tile = _get(entry, "tile", bytes, None)
+    seconds = float(_number(entry, "seconds", 0.0, 1e7, 0.0))
+    if error is not None:
+        if output_hash is not None or tile is not None:
+            raise BadRequest("an error report carries no hash or tile")
+        return ResultReport(result_id, None, None, error[:MAX_ERROR_TEXT], seconds)
+    if output_hash is None or not is_blob_id(output_hash):
+        raise BadRequest("field 'hash' must be the 64-hex-digit blake3 of the tile blob")
+    return ResultReport(result_id, output_hash, tile, None, seconds)

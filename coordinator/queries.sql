@@ -1,0 +1,91 @@
+-- All SQL of the SQLite store, as named blocks: "-- name: NAME" starts one.
+
+-- name: upsert_gemm
+INSERT INTO gemms (id, step, label, m, n, k, trans_a, trans_b, tile, a_id, b_id, policy,
+                   state, error, created)
+VALUES (:id, :step, :label, :m, :n, :k, :trans_a, :trans_b, :tile, :a_id, :b_id, :policy,
+        :state, :error, :created)
+ON CONFLICT(id) DO UPDATE SET state = excluded.state, error = excluded.error;
+
+-- name: upsert_host
+INSERT INTO hosts (id, name, token_hash, created, last_contact, gflops, threads, max_memory_mb,
+                   consecutive_valid, valid_count, invalid_count, error_count, max_in_progress,
+                   quarantined)
+VALUES (:id, :name, :token_hash, :created, :last_contact, :gflops, :threads, :max_memory_mb,
+        :consecutive_valid, :valid_count, :invalid_count, :error_count, :max_in_progress,
+        :quarantined)
+ON CONFLICT(id) DO UPDATE SET
+    name = excluded.name, last_contact = excluded.last_contact, gflops = excluded.gflops,
+    threads = excluded.threads, max_memory_mb = excluded.max_memory_mb,
+    consecutive_valid = excluded.consecutive_valid, valid_count = excluded.valid_count,
+    invalid_count = excluded.invalid_count, error_count = excluded.error_count,
+    max_in_progress = excluded.max_in_progress, quarantined = excluded.quarantined;
+
+-- name: upsert_workunit
+INSERT INTO workunits (id, gemm_id, step, i0, i1, j0, j1, k, a_panel, b_panel, trans_a, trans_b,
+                       kernel_version, policy, target_nresults, min_quorum, max_error_results,
+                       max_total_results, delay_bound, state, canonical_result, canonical_hash,
+                       error_mask, transition_time, accelerated, created)
+VALUES (:id, :gemm_id, :step, :i0, :i1, :j0, :j1, :k, :a_panel, :b_panel, :trans_a, :trans_b,
+        :kernel_version, :policy, :target_nresults, :min_quorum, :max_error_results,
+        :max_total_results, :delay_bound, :state, :canonical_result, :canonical_hash,
+        :error_mask, :transition_time, :accelerated, :created)
+ON CONFLICT(id) DO UPDATE SET
+    target_nresults = excluded.target_nresults, state = excluded.state,
+    canonical_result = excluded.canonical_result, canonical_hash = excluded.canonical_hash,
+    error_mask = excluded.error_mask, transition_time = excluded.transition_time,
+    accelerated = excluded.accelerated;
+
+-- name: upsert_result
+INSERT INTO results (id, wu_id, host_id, server_state, outcome, validate_state, upload_tile,
+                     sent_time, received_time, report_deadline, output_hash, has_tile, error)
+VALUES (:id, :wu_id, :host_id, :server_state, :outcome, :validate_state, :upload_tile,
+        :sent_time, :received_time, :report_deadline, :output_hash, :has_tile, :error)
+ON CONFLICT(id) DO UPDATE SET
+    host_id = excluded.host_id, server_state = excluded.server_state,
+    outcome = excluded.outcome, validate_state = excluded.validate_state,
+    upload_tile = excluded.upload_tile, sent_time = excluded.sent_time,
+    received_time = excluded.received_time, report_deadline = excluded.report_deadline,
+    output_hash = excluded.output_hash, has_tile = excluded.has_tile, error = excluded.error;
+
+-- name: insert_event
+INSERT INTO events (time, kind, step, gemm_id, wu_id, result_id, host_id, state, message)
+VALUES (:time, :kind, :step, :gemm_id, :wu_id, :result_id, :host_id, :state, :message);
+
+-- name: insert_reply
+INSERT OR REPLACE INTO work_replies (host_id, request_id, time, body)
+VALUES (:host_id, :request_id, :time, :body);
+
+-- name: prune_replies
+DELETE FROM work_replies WHERE time < :before;
+
+-- name: select_reply
+SELECT body FROM work_replies WHERE host_id = :host_id AND request_id = :request_id;
+
+-- name: select_hosts
+SELECT * FROM hosts;
+
+-- name: select_gemm
+SELECT * FROM gemms WHERE id = :id;
+
+-- name: select_active_gemms
+SELECT * FROM gemms WHERE state = 'active';
+
+-- name: select_workunits_of_gemm
+SELECT * FROM workunits WHERE gemm_id = :gemm_id;
+
+-- name: select_results_of_gemm
+SELECT results.* FROM results JOIN workunits ON results.wu_id = workunits.id
+WHERE workunits.gemm_id = :gemm_id;
+
+-- name: select_events
+SELECT * FROM events
+WHERE id > :after
+  AND (:kind IS NULL OR kind = :kind)
+  AND (:step IS NULL OR step = :step)
+  AND (:state IS NULL OR state = :state)
+  AND (:host_id IS NULL OR host_id = :host_id)
+ORDER BY id LIMIT :limit;
+
+-- name: count_workunits_by_state
+SELECT state, COUNT(*) AS n FROM workunits GROUP BY state;

@@ -1,0 +1,205 @@
+"""The scheduler: which unsent results a host gets, with which deadline, and what it drops.
+
+BOINC's rules and the fixes for what its users complain about:
+- never two replicas of one work unit to the same host (one bad host cannot form a quorum);
+- a host has an in-progress quota, cut when it returns invalid or no results;
+- results whose operand panels the host has cached come first (the bytes saved are counted);
+- the host lists what it is working on, so an assignment whose reply was lost is sent again
+  and one the coordinator no longer needs is aborted: no ghost tasks;
+- adaptive replication: a host with CV consecutive valid results gets a work unit alone
+  with probability 1 - 1/CV, and that tile is always Freivalds-checked;
+- tail acceleration: spare replicas at the end of a GEMM go only to fast, reliable hosts.
+"""
+
+from __future__ import annotations
+
+import random
+import statistics
+from dataclasses import dataclass, field
+
+from coordinator.ledger import Ledger
+from coordinator.protocol import WorkRequest
+from coordinator.store import Event
+from coordinator.workunits import (
+    Host,
+    Outcome,
+    Policy,
+    Result,
+    ServerState,
+    WorkUnit,
+    WuState,
+)
+
+
+@dataclass(frozen=True, slots=True)
+class SchedulerConfig:
+    deadline_floor: float = 5.0  # seconds any host gets, however fast
+    deadline_slack: float = 20.0  # times the host's expected compute time
+    trust_threshold: int = 10  # consecutive valid results before adaptive replication
+    default_quota: int = 4  # in-progress results per host thread
+
+
+@dataclass(slots=True)
+class Assignment:
+    result: Result
+    wu: WorkUnit
+
+
+@dataclass(slots=True)
+class Plan:
+    """A work request's answer: new or resent assignments, results to abort, bytes saved."""
+
+    assignments: list[Assignment] = field(default_factory=list)
+    abort: list[str] = field(default_factory=list)
+    bytes_saved: int = 0
+    events: list[Event] = field(default_factory=list)
+
+
+def report_deadline(wu: WorkUnit, host: Host, now: float, config: SchedulerConfig) -> float:
+    """From delay_bound and the host's measured speed: never later than delay_bound."""
+    expected = wu.flops / max(host.gflops, 1e-3) / 1e9
+    return now + min(wu.delay_bound, config.deadline_floor + config.deadline_slack * expected)
+
+
+def fast_and_reliable(host: Host, ledger: Ledger) -> bool:
+    """A host that may take a tail-acceleration spare: proven, and not slower than most."""
+    if host.consecutive_valid < 1 or host.quarantined:
+        return False
+    speeds = [h.gflops for h in ledger.hosts.values() if not h.quarantined]
+    return host.gflops >= statistics.median(speeds)
+
+
+def wants_tile(wu_results: list[Result]) -> bool:
+    """Upload the full tile unless another live replica already does."""
+    for r in wu_results:
+        if r.server_state is ServerState.IN_PROGRESS and r.upload_tile:
+            return False
+        if r.outcome is Outcome.SUCCESS and r.has_tile and r.validate_state.value != "invalid":
+            return False
+    return True
+
+
+class Scheduler:
+    def __init__(self, ledger: Ledger, config: SchedulerConfig, rng: random.Random) -> None:
+        self.ledger = ledger
+        self.config = config
+        self.rng = rng
+
+    def plan(self, host: Host, request: WorkRequest, now: float) -> Plan:
+        plan = Plan()
+        ledger = self.ledger
+        listed = set(request.in_progress)
+        for result_id in request.in_progress:
+            r = ledger.results.get(result_id)
+            if r is None or r.host_id != host.id or r.server_state is not ServerState.IN_PROGRESS:
+                plan.abort.append(result_id)
+        for result_id in list(ledger.in_progress_of.get(host.id, ())):
+            if result_id not in listed:
+                r = ledger.results[result_id]
+                plan.assignments.append(Assignment(r, ledger.wus[r.wu_id]))
+                plan.events.append(
+                    _event(ledger.wus[r.wu_id], r, now, "resent", "reply was lost; resent")
+                )
+        in_progress = len(ledger.in_progress_of.get(host.id, ()))
+        room = min(request.capacity, host.max_in_progress - in_progress)
+        if room <= 0:
+            return plan
+        cached = set(request.cached)
+        for result_id in self._candidates(cached):
+            if room <= 0:
+                break
+            assignment = self._try_assign(host, result_id, now, plan)
+            if assignment is None:
+                continue
+            saved = {assignment.wu.a_panel, assignment.wu.b_panel} & cached
+            plan.bytes_saved += sum(ledger.panel_bytes.get(p, 0) for p in saved)
+            plan.assignments.append(assignment)
+            room -= 1
+        return plan
+
+    def _candidates(self, cached: set[str]):
+        """Unsent results: first those using the most cached panels, then oldest first."""
+        ledger = self.ledger
+        scores: dict[str, int] = {}
+        for panel in cached:
+            for result_id in ledger.unsent_by_panel.get(panel, ()):
+                scores[result_id] = scores.get(result_id, 0) + ledger.panel_bytes.get(panel, 1)
+        yield from sorted(scores, key=lambda r: -scores[r])
+        yield from (r for r in list(ledger.unsent) if r not in scores)
+
+    def _try_assign(self, host: Host, result_id: str, now: float, plan: Plan):
+        ledger = self.ledger
+        result = ledger.results.get(result_id)
+        if result is None or result.server_state is not ServerState.UNSENT:
+            return None
+        wu = ledger.wus[result.wu_id]
+        if wu.state is not WuState.ACTIVE or host.id in ledger.hosts_of_wu.get(wu.id, ()):
+            return None
+        if wu.accelerated and not fast_and_reliable(host, ledger):
+            return None
+        siblings = ledger.results_for(wu.id)
+        wu = self._maybe_trust(host, wu, siblings, now, plan)
+        result = result.evolve(
+            host_id=host.id,
+            server_state=ServerState.IN_PROGRESS,
+            sent_time=now,
+            report_deadline=report_deadline(wu, host, now, self.config),
+            upload_tile=wants_tile(siblings) or wu.min_quorum <= 1 or wu.accelerated,
+        )
+        ledger.put_result(result)
+        if result.report_deadline < wu.transition_time:
+            wu = wu.evolve(transition_time=result.report_deadline)
+            ledger.put_wu(wu)
+        plan.events.append(
+            _event(
+                wu,
+                result,
+                now,
+                ServerState.IN_PROGRESS.value,
+                f"sent to host {host.id} ({'tile' if result.upload_tile else 'hash only'}), "
+                f"deadline in {result.report_deadline - now:.1f}s",
+            )
+        )
+        return Assignment(result, wu)
+
+    def _maybe_trust(self, host, wu, siblings, now, plan) -> WorkUnit:
+        """BOINC's adaptive replication, decided when the first replica is sent."""
+        if wu.policy is Policy.FREIVALDS or wu.min_quorum <= 1:
+            return wu
+        if any(r.server_state is not ServerState.UNSENT for r in siblings):
+            return wu
+        cv = host.consecutive_valid
+        if cv < self.config.trust_threshold or self.rng.random() >= 1 - 1 / cv:
+            return wu
+        wu = wu.evolve(target_nresults=1, min_quorum=1)
+        self.ledger.put_wu(wu)
+        spare = [r for r in siblings if r.server_state is ServerState.UNSENT][1:]
+        for r in spare:
+            self.ledger.put_result(
+                r.evolve(server_state=ServerState.OVER, outcome=Outcome.DIDNT_NEED)
+            )
+        plan.events.append(
+            _event(
+                wu,
+                None,
+                now,
+                "single_replica",
+                f"adaptive replication: host {host.id} has {cv} consecutive valid results; "
+                "one replica, Freivalds-checked",
+            )
+        )
+        return wu
+
+
+def _event(wu: WorkUnit, result: Result | None, now: float, state: str, message: str) -> Event:
+    return Event(
+        time=now,
+        kind="result" if result else "wu",
+        state=state,
+        message=message,
+        step=wu.step,
+        gemm_id=wu.gemm_id,
+        wu_id=wu.id,
+        result_id=result.id if result else None,
+        host_id=result.host_id if result else None,
+    )

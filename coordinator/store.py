@@ -1,0 +1,119 @@
+"""The coordinator's durable state, behind one interface so another database can replace SQLite.
+
+The coordinator keeps the live state of its work in memory and writes every change through
+`commit(batch)`: one transaction per batch, finished before any reply that depends on it
+leaves the server. On restart, `load()` returns what was committed.
+"""
+
+from __future__ import annotations
+
+import abc
+from dataclasses import dataclass, field
+
+from coordinator.workunits import Gemm, Host, Result, WorkUnit
+
+
+@dataclass(frozen=True, slots=True)
+class Event:
+    """One line of the task and validation logs."""
+
+    time: float
+    kind: str  # "gemm", "wu", "result", "validation", "host"
+    state: str
+    message: str
+    step: int | None = None
+    gemm_id: str | None = None
+    wu_id: str | None = None
+    result_id: str | None = None
+    host_id: int | None = None
+    id: int | None = None  # assigned by the store
+
+
+@dataclass(frozen=True, slots=True)
+class Reply:
+    """The stored answer to one idempotent work request."""
+
+    host_id: int
+    request_id: str
+    time: float
+    body: bytes
+
+
+@dataclass(slots=True)
+class Batch:
+    """Changes to commit together: the latest version of each record, and new log lines."""
+
+    gemms: dict[str, Gemm] = field(default_factory=dict)
+    workunits: dict[str, WorkUnit] = field(default_factory=dict)
+    results: dict[str, Result] = field(default_factory=dict)
+    hosts: dict[int, Host] = field(default_factory=dict)
+    events: list[Event] = field(default_factory=list)
+    replies: list[Reply] = field(default_factory=list)
+
+    def __bool__(self) -> bool:
+        return bool(
+            self.gemms
+            or self.workunits
+            or self.results
+            or self.hosts
+            or self.events
+            or self.replies
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class Snapshot:
+    """Everything the coordinator needs in memory after a restart."""
+
+    hosts: list[Host]
+    gemms: list[Gemm]  # the active ones
+    workunits: list[WorkUnit]  # of the active GEMMs
+    results: list[Result]  # of those work units
+
+
+class Store(abc.ABC):
+    """Durable state: GEMMs, work units, results, hosts, the event log and work replies."""
+
+    @abc.abstractmethod
+    async def open(self) -> None:
+        """Connect and bring the schema up to date."""
+
+    @abc.abstractmethod
+    async def close(self) -> None: ...
+
+    @abc.abstractmethod
+    async def commit(self, batch: Batch) -> None:
+        """Write a batch atomically: all of it or, if the process dies, none of it."""
+
+    @abc.abstractmethod
+    async def load(self) -> Snapshot: ...
+
+    @abc.abstractmethod
+    async def gemm(self, gemm_id: str) -> Gemm | None: ...
+
+    @abc.abstractmethod
+    async def gemm_work(self, gemm_id: str) -> tuple[list[WorkUnit], list[Result]]:
+        """All work units of a GEMM and all their results."""
+
+    @abc.abstractmethod
+    async def reply(self, host_id: int, request_id: str) -> bytes | None:
+        """The stored answer to a work request, if this host sent it before."""
+
+    @abc.abstractmethod
+    async def prune_replies(self, before: float) -> None: ...
+
+    @abc.abstractmethod
+    async def events(
+        self,
+        *,
+        after: int = 0,
+        kind: str | None = None,
+        step: int | None = None,
+        state: str | None = None,
+        host_id: int | None = None,
+        limit: int = 1000,
+    ) -> list[Event]: ...
+
+    @abc.abstractmethod
+    async def workunit_counts(self) -> dict[str, int]:
+        """How many work units are in each state."""

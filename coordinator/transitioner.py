@@ -1,0 +1,143 @@
+"""The transitioner: moves a work unit and its results on as time passes and results arrive.
+
+`transition` is pure: given a work unit, its results and the time, it returns the new
+versions and the log lines, following BOINC's transitioner (sched/transitioner.cpp):
+timeouts become NO_REPLY; replicas needed = target - unsent - in progress - success; too many
+errors or too many results fail the work unit for good.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from coordinator.store import Event
+from coordinator.workunits import (
+    WU_DECIDED,
+    Outcome,
+    Result,
+    ServerState,
+    ValidateState,
+    WorkUnit,
+    WuError,
+    WuState,
+)
+
+
+@dataclass(slots=True)
+class Transition:
+    """What changed: the work unit, changed or new results, and why."""
+
+    wu: WorkUnit
+    results: list[Result] = field(default_factory=list)
+    events: list[Event] = field(default_factory=list)
+    failed: str | None = None  # set when the work unit failed for good just now
+
+
+def _event(wu: WorkUnit, now: float, state: str, message: str, result: Result | None = None):
+    return Event(
+        time=now,
+        kind="result" if result else "wu",
+        state=state,
+        message=message,
+        step=wu.step,
+        gemm_id=wu.gemm_id,
+        wu_id=wu.id,
+        result_id=result.id if result else None,
+        host_id=result.host_id if result else None,
+    )
+
+
+def counts(results: list[Result]) -> dict[str, int]:
+    """BOINC's tallies of a work unit's results."""
+    tally = {"unsent": 0, "in_progress": 0, "success": 0, "errors": 0, "total": len(results)}
+    for r in results:
+        if r.server_state is ServerState.UNSENT:
+            tally["unsent"] += 1
+        elif r.server_state is ServerState.IN_PROGRESS:
+            tally["in_progress"] += 1
+        elif r.outcome is Outcome.SUCCESS and r.validate_state is not ValidateState.INVALID:
+            tally["success"] += 1
+        elif r.outcome in (Outcome.CLIENT_ERROR, Outcome.NO_REPLY) or (
+            r.outcome is Outcome.SUCCESS and r.validate_state is ValidateState.INVALID
+        ):
+            tally["errors"] += 1
+    return tally
+
+
+def transition(
+    wu: WorkUnit, results: list[Result], now: float, new_result_id: Callable[[], str]
+) -> Transition:
+    """Advance one work unit to `now`."""
+    out = Transition(wu=wu)
+    current: dict[str, Result] = {r.id: r for r in results}
+
+    def change(result: Result, message: str) -> None:
+        current[result.id] = result
+        out.results.append(result)
+        out.events.append(_event(wu, now, result.outcome.value, message, result))
+
+    for r in results:
+        if r.server_state is ServerState.IN_PROGRESS and (r.report_deadline or math.inf) < now:
+            change(
+                r.evolve(server_state=ServerState.OVER, outcome=Outcome.NO_REPLY),
+                f"no reply from host {r.host_id} by the deadline",
+            )
+
+    if wu.state in WU_DECIDED:
+        for r in list(current.values()):
+            if r.server_state is ServerState.UNSENT:
+                change(
+                    r.evolve(server_state=ServerState.OVER, outcome=Outcome.DIDNT_NEED),
+                    "not needed: the work unit is decided",
+                )
+        out.wu = wu.evolve(transition_time=math.inf)
+        return out
+
+    tally = counts(list(current.values()))
+    reason = None
+    if tally["errors"] > wu.max_error_results:
+        mask, reason = (
+            WuError.TOO_MANY_ERRORS,
+            (
+                f"too many errors: {tally['errors']} failed or invalid results "
+                f"(max_error_results={wu.max_error_results})"
+            ),
+        )
+    needed = wu.target_nresults - tally["unsent"] - tally["in_progress"] - tally["success"]
+    if reason is None and needed > 0 and tally["total"] + needed > wu.max_total_results:
+        mask, reason = (
+            WuError.TOO_MANY_TOTAL,
+            (
+                f"too many results: {tally['total']} issued, {needed} more needed "
+                f"(max_total_results={wu.max_total_results})"
+            ),
+        )
+    if reason is not None:
+        for r in list(current.values()):
+            if r.server_state is ServerState.UNSENT:
+                change(
+                    r.evolve(server_state=ServerState.OVER, outcome=Outcome.DIDNT_NEED),
+                    "not needed: the work unit failed",
+                )
+        out.wu = wu.evolve(
+            state=WuState.ERROR, error_mask=wu.error_mask | mask, transition_time=math.inf
+        )
+        out.events.append(_event(wu, now, WuState.ERROR.value, reason))
+        out.failed = reason
+        return out
+
+    for _ in range(max(0, needed)):
+        fresh = Result(id=new_result_id(), wu_id=wu.id)
+        current[fresh.id] = fresh
+        out.results.append(fresh)
+        out.events.append(_event(wu, now, ServerState.UNSENT.value, "new replica issued", fresh))
+
+    deadlines = [
+        r.report_deadline
+        for r in current.values()
+        if r.server_state is ServerState.IN_PROGRESS and r.report_deadline is not None
+    ]
+    out.wu = wu.evolve(transition_time=min(deadlines, default=math.inf))
+    return out

@@ -1,0 +1,271 @@
+"""The model of the work: GEMMs, work units, results and hosts, as frozen records.
+
+Names and states follow BOINC's server (db/boinc_db_types.h) where BOINC has one, so an
+operator who knows BOINC can read the logs. Every record is immutable; `evolve` returns a
+changed copy, which the coordinator's state keeps and the store persists.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+from dataclasses import dataclass
+from typing import Self
+
+import msgpack
+from blake3 import blake3
+
+
+class Policy(enum.StrEnum):
+    """How the validator decides a work unit (project setting `validation.policy`)."""
+
+    QUORUM = "quorum"  # min_quorum bit-identical output hashes
+    FREIVALDS = "freivalds"  # one tile, checked against its operands
+    BOTH = "both"  # a quorum, and the agreed tile passes Freivalds
+
+
+class GemmState(enum.StrEnum):
+    ACTIVE = "active"
+    DONE = "done"
+    FAILED = "failed"
+
+
+class WuState(enum.StrEnum):
+    ACTIVE = "active"  # results still needed or pending validation
+    VALIDATED = "validated"  # canonical result chosen; its tile is a committed blob
+    ASSIMILATED = "assimilated"  # tile written into its GEMM's output
+    ERROR = "error"  # failed for good; error_mask says why
+
+
+WU_TERMINAL = frozenset({WuState.ASSIMILATED, WuState.ERROR})
+WU_DECIDED = frozenset({WuState.VALIDATED, WuState.ASSIMILATED, WuState.ERROR})
+
+
+class WuError(enum.IntFlag):
+    """BOINC's WU_ERROR_* bits."""
+
+    NONE = 0
+    COULDNT_SEND = 1
+    TOO_MANY_ERRORS = 2
+    TOO_MANY_SUCCESS = 4  # BOINC: too many successes without a quorum
+    TOO_MANY_TOTAL = 8
+
+
+class ServerState(enum.StrEnum):
+    UNSENT = "unsent"
+    IN_PROGRESS = "in_progress"
+    OVER = "over"
+
+
+class Outcome(enum.StrEnum):
+    INIT = "init"
+    SUCCESS = "success"
+    CLIENT_ERROR = "client_error"
+    NO_REPLY = "no_reply"  # deadline passed
+    DIDNT_NEED = "didnt_need"  # cancelled before it was sent
+    ABORTED = "aborted"  # cancelled while in progress: the WU was decided without it
+
+
+class ValidateState(enum.StrEnum):
+    INIT = "init"
+    VALID = "valid"
+    INVALID = "invalid"
+    INCONCLUSIVE = "inconclusive"  # no quorum yet
+    TOO_LATE = "too_late"  # arrived after the WU was decided; checked, never used
+
+
+@dataclass(frozen=True, slots=True)
+class Redundancy:
+    """BOINC's replication fields, copied into each work unit."""
+
+    target_nresults: int = 2
+    min_quorum: int = 2
+    max_error_results: int = 4
+    max_total_results: int = 8
+    delay_bound: float = 60.0
+
+
+@dataclass(frozen=True, slots=True)
+class Gemm:
+    """One matrix product C = op(A) @ op(B), cut into tiles of `tile` x `tile`."""
+
+    id: str
+    step: int
+    label: str
+    m: int
+    n: int
+    k: int
+    trans_a: bool
+    trans_b: bool
+    tile: int
+    a_id: str
+    b_id: str
+    policy: Policy
+    state: GemmState = GemmState.ACTIVE
+    error: str = ""
+    created: float = 0.0
+
+    def evolve(self, **changes: object) -> Self:
+        return dataclasses.replace(self, **changes)
+
+
+@dataclass(frozen=True, slots=True)
+class WorkUnit:
+    """C[i0:i1, j0:j1] = op(A)[i0:i1, :] @ op(B)[:, j0:j1] of one GEMM."""
+
+    id: str
+    gemm_id: str
+    step: int
+    i0: int
+    i1: int
+    j0: int
+    j1: int
+    k: int
+    a_panel: str  # blob id of the operand panel holding op(A)[i0:i1, :] (stored as in A)
+    b_panel: str  # blob id of the operand panel holding op(B)[:, j0:j1] (stored as in B)
+    trans_a: bool
+    trans_b: bool
+    kernel_version: int
+    policy: Policy
+    target_nresults: int
+    min_quorum: int
+    max_error_results: int
+    max_total_results: int
+    delay_bound: float
+    state: WuState = WuState.ACTIVE
+    canonical_result: str | None = None
+    canonical_hash: str | None = None
+    error_mask: int = 0
+    transition_time: float = 0.0
+    accelerated: bool = False  # a spare replica was added by tail acceleration
+    created: float = 0.0
+
+    @property
+    def shape(self) -> tuple[int, int, int]:
+        return self.i1 - self.i0, self.j1 - self.j0, self.k
+
+    @property
+    def flops(self) -> int:
+        m, n, k = self.shape
+        return 2 * m * n * k
+
+    def evolve(self, **changes: object) -> Self:
+        return dataclasses.replace(self, **changes)
+
+
+@dataclass(frozen=True, slots=True)
+class Result:
+    """One replica of a work unit, assigned to at most one host."""
+
+    id: str
+    wu_id: str
+    host_id: int | None = None
+    server_state: ServerState = ServerState.UNSENT
+    outcome: Outcome = Outcome.INIT
+    validate_state: ValidateState = ValidateState.INIT
+    upload_tile: bool = True  # False: a check replica that reports only the tile's hash
+    sent_time: float | None = None
+    received_time: float | None = None
+    report_deadline: float | None = None
+    output_hash: str | None = None
+    has_tile: bool = False  # the full tile is in the blob store under output_hash
+    error: str = ""
+
+    def evolve(self, **changes: object) -> Self:
+        return dataclasses.replace(self, **changes)
+
+
+@dataclass(frozen=True, slots=True)
+class Host:
+    """A volunteer machine, known by the hash of its bearer token."""
+
+    id: int
+    name: str
+    token_hash: str
+    created: float
+    last_contact: float
+    gflops: float = 1.0
+    threads: int = 1
+    max_memory_mb: int = 0
+    consecutive_valid: int = 0
+    valid_count: int = 0
+    invalid_count: int = 0
+    error_count: int = 0
+    max_in_progress: int = 4
+    quarantined: bool = False
+
+    def evolve(self, **changes: object) -> Self:
+        return dataclasses.replace(self, **changes)
+
+
+def canonical_id(kind: str, fields: dict[str, object]) -> str:
+    """blake3 of a canonical encoding: msgpack of the sorted fields, prefixed by a kind."""
+    body = msgpack.packb([kind, sorted(fields.items())], use_bin_type=True)
+    return blake3(body).hexdigest()
+
+
+def gemm_id(
+    *,
+    step: int,
+    label: str,
+    a_id: str,
+    b_id: str,
+    trans_a: bool,
+    trans_b: bool,
+    tile: int,
+    policy: Policy,
+    kernel_version: int,
+) -> str:
+    """The content id of a product: the same inputs always name the same GEMM."""
+    return canonical_id(
+        "gemm",
+        {
+            "step": step,
+            "label": label,
+            "a": a_id,
+            "b": b_id,
+            "trans_a": trans_a,
+            "trans_b": trans_b,
+            "tile": tile,
+            "policy": policy.value,
+            "kernel_version": kernel_version,
+        },
+    )
+
+
+def workunit_id(
+    *,
+    gemm: str,
+    step: int,
+    bounds: tuple[int, int, int, int],
+    k: int,
+    a_panel: str,
+    b_panel: str,
+    trans_a: bool,
+    trans_b: bool,
+    kernel_version: int,
+) -> str:
+    """The content id of a tile's work: its description, never when or where it ran."""
+    return canonical_id(
+        "wu",
+        {
+            "gemm": gemm,
+            "step": step,
+            "bounds": list(bounds),
+            "k": k,
+            "a": a_panel,
+            "b": b_panel,
+            "trans_a": trans_a,
+            "trans_b": trans_b,
+            "kernel_version": kernel_version,
+        },
+    )
+
+
+def tile_bounds(m: int, n: int, tile: int) -> list[tuple[int, int, int, int]]:
+    """Row-major tiles (i0, i1, j0, j1) covering an m x n output; edge tiles are smaller."""
+    return [
+        (i0, min(m, i0 + tile), j0, min(n, j0 + tile))
+        for i0 in range(0, m, tile)
+        for j0 in range(0, n, tile)
+    ]

@@ -1,0 +1,161 @@
+"""The HTTP client of the tilehive protocol: what a volunteer says to a coordinator."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import aiohttp
+import msgpack
+import numpy as np
+
+import kernels
+
+CONTENT_TYPE = "application/msgpack"
+
+
+class ServerRefused(Exception):
+    """The coordinator answered with an error status; `status`, `code`, `message` say why."""
+
+    def __init__(self, status: int, code: str, message: str) -> None:
+        super().__init__(f"{status} {code}: {message}")
+        self.status = status
+        self.code = code
+        self.message = message
+
+
+class CoordinatorClient:
+    """One volunteer's session with one coordinator (register, ask, fetch, report)."""
+
+    def __init__(
+        self,
+        url: str,
+        *,
+        token: str | None = None,
+        session: aiohttp.ClientSession | None = None,
+        timeout: float = 60.0,
+    ) -> None:
+        self.url = url.rstrip("/")
+        self.token = token
+        self._session = session
+        self._own_session = session is None
+        self._timeout = aiohttp.ClientTimeout(total=timeout)
+
+    async def __aenter__(self) -> CoordinatorClient:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    @property
+    def session(self) -> aiohttp.ClientSession:
+        if self._session is None:
+            self._session = aiohttp.ClientSession(timeout=self._timeout)
+        return self._session
+
+    async def close(self) -> None:
+        if self._own_session and self._session is not None:
+            await self._session.close()
+            self._session = None
+
+    def _headers(self) -> dict[str, str]:
+        headers = {"Content-Type": CONTENT_TYPE}
+        if self.token:
+            headers["Authorization"] = f"Bearer {self.token}"
+        return headers
+
+    async def _post(self, path: str, message: dict[str, Any]) -> dict[str, Any]:
+        body = msgpack.packb(message, use_bin_type=True)
+        async with self.session.post(self.url + path, data=body, headers=self._headers()) as resp:
+            payload = await resp.read()
+            return self._decode(resp.status, payload)
+
+    @staticmethod
+    def _decode(status: int, payload: bytes) -> dict[str, Any]:
+        try:
+            message = msgpack.unpackb(payload, raw=False)
+        except Exception as exc:
+            raise ServerRefused(status, "bad_reply", f"reply is not msgpack: {exc}") from exc
+        if not isinstance(message, dict):
+            raise ServerRefused(status, "bad_reply", "reply is not a msgpack map")
+        if status >= 400:
+            raise ServerRefused(
+                status, str(message.get("error", "error")), str(message.get("message", ""))
+            )
+        return message
+
+    async def register(
+        self, name: str, *, gflops: float = 1.0, threads: int = 1, max_memory_mb: int = 0
+    ) -> int:
+        reply = await self._post(
+            "/v1/hosts",
+            {"name": name, "gflops": gflops, "threads": threads, "max_memory_mb": max_memory_mb},
+        )
+        self.token = reply["token"]
+        return int(reply["host_id"])
+
+    async def request_work(
+        self,
+        request_id: str,
+        *,
+        capacity: int,
+        cached: list[str] | tuple[str, ...] = (),
+        in_progress: list[str] | tuple[str, ...] = (),
+        gflops: float | None = None,
+    ) -> dict[str, Any]:
+        message: dict[str, Any] = {
+            "request_id": request_id,
+            "capacity": capacity,
+            "cached": list(cached),
+            "in_progress": list(in_progress),
+        }
+        if gflops is not None:
+            message["gflops"] = gflops
+        return await self._post("/v1/work", message)
+
+    async def fetch_blob(self, blob_id: str, *, max_bytes: int) -> bytes:
+        """The blob's bytes, verified against its id (kernels.BlobMismatchError if not)."""
+        async with self.session.get(
+            f"{self.url}/v1/blobs/{blob_id}", headers=self._headers()
+        ) as resp:
+            if resp.status >= 400:
+                self._decode(resp.status, await resp.read())
+            data = bytearray()
+            async for chunk in resp.content.iter_chunked(1 << 16):
+                data += chunk
+                if len(data) > max_bytes:
+                    raise ServerRefused(resp.status, "too_large", f"blob over {max_bytes} bytes")
+        kernels.verify_blob(data, blob_id)
+        return bytes(data)
+
+    async def report(self, results: list[dict[str, Any]]) -> dict[str, Any]:
+        return await self._post("/v1/results", {"results": results})
+
+    async def status(self) -> dict[str, Any]:
+        async with self.session.get(self.url + "/v1/status") as resp:
+            return await resp.json()
+
+
+def compute_tile(
+    assignment: dict[str, Any], a_blob: bytes, b_blob: bytes, *, threads: int = 1
+) -> tuple[str, bytes]:
+    """The output tile of an assignment as (hash, blob), from verified operand blobs."""
+    a = kernels.decode_array(a_blob)
+    b = kernels.decode_array(b_blob)
+    m, n, k = assignment["m"], assignment["n"], assignment["k"]
+    trans_a, trans_b = bool(assignment["trans_a"]), bool(assignment["trans_b"])
+    expect_a = (k, m) if trans_a else (m, k)
+    expect_b = (n, k) if trans_b else (k, n)
+    if a.dtype != np.float32 or b.dtype != np.float32 or a.shape != expect_a or b.shape != expect_b:
+        raise ValueError(
+            f"operands {a.dtype}{a.shape}, {b.dtype}{b.shape} do not fit the assignment "
+            f"(expected float32 {expect_a} and {expect_b})"
+        )
+    c = kernels.gemm(
+        np.ascontiguousarray(a),
+        np.ascontiguousarray(b),
+        trans_a=trans_a,
+        trans_b=trans_b,
+        threads=threads,
+    )
+    blob = kernels.encode_array(c)
+    return kernels.blob_id(blob), blob
