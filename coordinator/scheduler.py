@@ -101,7 +101,8 @@ class Scheduler:
                     _event(ledger.wus[r.wu_id], r, now, "resent", "reply was lost; resent")
                 )
         in_progress = len(ledger.in_progress_of.get(host.id, ()))
-        room = min(request.capacity, host.max_in_progress - in_progress)
+        # Resent work fills the host's capacity like new work does.
+        room = min(request.capacity - len(plan.assignments), host.max_in_progress - in_progress)
         if room <= 0:
             return plan
         cached = set(request.cached)

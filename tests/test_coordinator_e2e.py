@@ -12,9 +12,10 @@ import kernels
 from coordinator.api import serve
 from coordinator.engine import Coordinator, CoordinatorConfig
 from coordinator.queue import WorkQueue
-from coordinator.workunits import Policy
+from coordinator.workunits import Policy, Redundancy
 from tests.conftest import bits, operands
-from tests.volunteers import Behaviour, ScriptedVolunteer
+from tests.volunteers import Behaviour, ScriptedVolunteer, wait_until
+from volunteer.client import CoordinatorClient
 
 TIMEOUT = 60
 
@@ -77,3 +78,63 @@ async def test_odd_shaped_products_through_several_clients_equal_the_kernel(tmp_
         results = await crew.finish(asyncio.gather(*(j[4] for j in jobs)))
         for (a, b, ta, tb, _), got in zip(jobs, results, strict=True):
             assert np.array_equal(bits(got), bits(kernels.gemm(a, b, trans_a=ta, trans_b=tb)))
+
+
+async def test_a_lost_work_reply_is_resent_not_duplicated(tmp_path, rng):
+    async with running(tmp_path, tile=16) as (co, queue, url):
+        a, b = operands(rng, 20, 20, 8, False, False)
+        product = asyncio.ensure_future(queue.matmul(a, b))
+        await wait_until(lambda: co.ledger.unsent)
+        async with CoordinatorClient(url) as client:
+            await client.register("flaky")
+            first = await client.request_work("r1", capacity=2)
+            again = await client.request_work("r1", capacity=2)
+            assert again == first  # the retried request gets the same answer
+            taken = [x["result_id"] for x in first["assignments"]]
+            assert len(taken) == 2
+            # The host never saw r1's reply: it asks anew and lists nothing in progress.
+            second = await client.request_work("r2", capacity=2, in_progress=[])
+            resent = [x["result_id"] for x in second["assignments"]]
+            assert resent == taken  # the same results again, not fresh replicas
+            assert second["abort"] == []
+        async with volunteers(url, [Behaviour()] * 2) as crew:
+            await wait_until(lambda: all(co.ledger.results[r].host_id for r in taken))
+            # The flaky host's two results stay assigned to it: nobody else gets them.
+            hosts = {co.ledger.results[r].host_id for r in taken}
+            assert len(hosts) == 1
+            product.cancel()
+        del crew
+
+
+async def test_a_client_that_never_answers_is_timed_out_and_its_work_done_by_another(tmp_path, rng):
+    redundancy = Redundancy(delay_bound=0.5)
+    async with running(tmp_path, tile=16, redundancy=redundancy) as (co, queue, url):
+        a, b = operands(rng, 32, 32, 16, False, False)
+        product = asyncio.ensure_future(queue.matmul(a, b))
+        async with volunteers(url, [Behaviour(silent=True, capacity=4)]) as silent:
+            await wait_until(lambda: len(silent[0].taken) == 4)
+            async with volunteers(url, [Behaviour()] * 3) as crew:
+                got = await crew.finish(product)
+        assert np.array_equal(bits(got), bits(kernels.gemm(a, b)))
+        events = await co.store.events(kind="result", state="no_reply")
+        assert {e.result_id for e in events} == set(silent[0].taken)
+        silent_host = co.ledger.hosts[silent[0].host_id]
+        assert silent_host.error_count == 4 and silent_host.max_in_progress < 4
+
+
+@pytest.mark.parametrize("policy", list(Policy))
+async def test_a_wrong_tile_is_caught_under_each_policy(tmp_path, rng, policy):
+    async with running(tmp_path, policy=policy, tile=16) as (co, queue, url):
+        a, b = operands(rng, 32, 48, 24, False, True)
+        product = asyncio.ensure_future(queue.matmul(a, b, trans_b=True))
+        async with volunteers(url, [Behaviour(lie=True, capacity=3)]) as liar:
+            await wait_until(lambda: liar[0].done >= 1)
+            async with volunteers(url, [Behaviour()] * 3) as crew:
+                got = await crew.finish(product)
+        assert np.array_equal(bits(got), bits(kernels.gemm(a, b, trans_b=True)))
+        liar_host = co.ledger.hosts[liar[0].host_id]
+        assert liar_host.invalid_count >= 1 and liar_host.consecutive_valid == 0
+        invalid = await co.store.events(kind="validation", state="invalid", host_id=liar_host.id)
+        assert invalid, "the wrong tile must be logged as invalid"
+        reasons = " ".join(e.message for e in invalid)
+        assert ("hash mismatch" in reasons) or ("freivalds" in reasons.lower())
