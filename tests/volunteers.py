@@ -24,6 +24,7 @@ class Behaviour:
     lie: bool = False  # return a wrong tile (one element changed) with its true hash
     silent: bool = False  # take work and never answer
     capacity: int = 2
+    seconds_per_tile: float = 0.0  # simulated compute time on top of the real kernel
 
 
 @dataclass
@@ -98,6 +99,8 @@ class ScriptedVolunteer:
                 )
             blobs.append(self.cache[blob_id])
         output_hash, tile = compute_tile(assignment, *blobs)
+        if self.behaviour.seconds_per_tile:
+            await asyncio.sleep(self.behaviour.seconds_per_tile)
         if self.behaviour.lie:
             wrong = kernels.decode_array(tile).copy()
             wrong.flat[0] += np.float32(1.0)

@@ -1,0 +1,150 @@
+"""Untrusted bytes at the HTTP edge: every bad request is a clear 4xx, the server stays up."""
+
+from __future__ import annotations
+
+import asyncio
+
+import aiohttp
+import msgpack
+import numpy as np
+import pytest
+
+import kernels
+from tests.conftest import bits, operands
+from tests.test_coordinator_e2e import running, volunteers
+from tests.volunteers import Behaviour, wait_until
+from volunteer.client import CoordinatorClient, compute_tile
+
+MSGPACK = {"Content-Type": "application/msgpack"}
+
+
+async def post(session, url, body, headers=None):
+    async with session.post(url, data=body, headers={**MSGPACK, **(headers or {})}) as resp:
+        payload = await resp.read()
+        return resp.status, msgpack.unpackb(payload) if payload else None
+
+
+def pack(message) -> bytes:
+    return msgpack.packb(message, use_bin_type=True)
+
+
+@pytest.fixture
+async def server(tmp_path, rng):
+    async with running(tmp_path, tile=16, max_request_bytes=4096) as (co, queue, url):
+        a, b = operands(rng, 24, 24, 8, False, False)
+        product = asyncio.ensure_future(queue.matmul(a, b))
+        await wait_until(lambda: co.ledger.unsent)
+        yield co, url, (a, b, product)
+        if not product.done():
+            product.cancel()
+
+
+async def test_malformed_and_forged_requests_get_clear_4xx(server):
+    _, url, _ = server
+    async with aiohttp.ClientSession() as session, CoordinatorClient(url) as alice:
+        await alice.register("alice")
+        auth = {"Authorization": f"Bearer {alice.token}"}
+        cases = [
+            ("/v1/hosts", b"\xc1\xc1 not msgpack", {}, 400, "not valid msgpack"),
+            ("/v1/hosts", pack([1, 2, 3]), {}, 400, "must be a msgpack map"),
+            ("/v1/hosts", pack({"name": 7}), {}, 400, "'name' must be str"),
+            ("/v1/hosts", pack({"name": "x" * 500}), {}, 400, "1 to 64"),
+            ("/v1/work", pack({"request_id": "r", "capacity": 1}), {}, 401, "Authorization"),
+            (
+                "/v1/work",
+                pack({"request_id": "r", "capacity": 1}),
+                {"Authorization": "Bearer nope"},
+                401,
+                "unknown token",
+            ),
+            ("/v1/work", pack({"request_id": "r", "capacity": "many"}), auth, 400, "capacity"),
+            ("/v1/work", pack({"request_id": "r", "capacity": True}), auth, 400, "got bool"),
+            ("/v1/work", pack({"request_id": "r", "capacity": 10**6}), auth, 400, "between"),
+            (
+                "/v1/work",
+                pack({"request_id": "r", "capacity": 1, "cached": ["zz"]}),
+                auth,
+                400,
+                "malformed id",
+            ),
+            ("/v1/work", pack({"request_id": "r", "pad": "x" * 10_000}), auth, 413, "limit"),
+            ("/v1/results", pack({"results": []}), auth, 400, "1 to 64"),
+            (
+                "/v1/results",
+                pack({"results": [{"result_id": "0" * 32, "hash": "0" * 64}]}),
+                auth,
+                404,
+                "unknown result",
+            ),
+            (
+                "/v1/results",
+                pack({"results": [{"result_id": "0" * 32, "hash": "nothex"}]}),
+                auth,
+                400,
+                "hash",
+            ),
+        ]
+        for path, body, headers, status, words in cases:
+            got, reply = await post(session, url + path, body, headers)
+            assert got == status, (path, body[:40], reply)
+            assert words in reply["message"], (words, reply)
+        async with session.post(
+            url + "/v1/hosts", data=pack({"name": "x"}), headers={"Content-Type": "text/plain"}
+        ) as resp:
+            assert resp.status == 415
+        async with session.get(url + "/v1/blobs/not-a-hash", headers=auth) as resp:
+            assert resp.status == 400
+        async with session.get(url + "/v1/blobs/" + "ab" * 32, headers=auth) as resp:
+            assert resp.status == 404
+        async with session.get(url + "/v1/status") as resp:
+            assert resp.status == 200
+
+
+async def test_results_of_another_host_and_bad_tiles_are_refused_and_nothing_changes(server):
+    co, url, _ = server
+    async with CoordinatorClient(url) as alice, CoordinatorClient(url) as mallory:
+        await alice.register("alice")
+        await mallory.register("mallory")
+        work = await alice.request_work("a1", capacity=1)
+        (assignment,) = work["assignments"]
+        result_id = assignment["result_id"]
+        before = co.ledger.results[result_id]
+        forged = {"result_id": result_id, "hash": "0" * 64, "tile": b"x"}
+        with pytest.raises(Exception, match="403") as refused:
+            await mallory.report([forged])
+        assert "not assigned to host" in str(refused.value)
+        a = await alice.fetch_blob(assignment["a"], max_bytes=1 << 20)
+        b = await alice.fetch_blob(assignment["b"], max_bytes=1 << 20)
+        good_hash, tile = compute_tile(assignment, a, b)
+        for entry, words in [
+            ({"hash": good_hash, "tile": tile[:-4]}, "hash"),  # truncated: hash mismatch
+            ({"hash": "0" * 64, "tile": tile}, "hash mismatch"),
+            ({"hash": good_hash}, "asked for the tile"),
+            (
+                {
+                    "hash": kernels.blob_id(kernels.encode_array(np.zeros((3, 3), np.float32))),
+                    "tile": kernels.encode_array(np.zeros((3, 3), np.float32)),
+                },
+                "shape",
+            ),
+        ]:
+            with pytest.raises(Exception, match="400") as bad:
+                await alice.report([{"result_id": result_id, **entry}])
+            assert words in str(bad.value)
+        assert co.ledger.results[result_id] == before  # nothing applied
+        reply = await alice.report([{"result_id": result_id, "hash": good_hash, "tile": tile}])
+        assert reply["accepted"] == [result_id]
+        again = await alice.report([{"result_id": result_id, "hash": good_hash, "tile": tile}])
+        assert again["duplicate"] == [result_id]
+
+
+async def test_the_server_still_finishes_work_after_abuse(server):
+    co, url, (a, b, product) = server
+    async with aiohttp.ClientSession() as session:
+        for body in (b"", b"\x00" * 100, pack({"results": "x"}), pack(None)):
+            status, _ = await post(session, url + "/v1/results", body)
+            assert 400 <= status < 500
+    async with volunteers(url, [Behaviour()] * 2) as crew:
+        got = await crew.finish(product)
+    assert np.array_equal(bits(got), bits(kernels.gemm(a, b)))
+    await wait_until(lambda: not co.outputs)
