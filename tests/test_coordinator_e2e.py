@@ -22,6 +22,7 @@ TIMEOUT = 60
 
 @contextlib.asynccontextmanager
 async def running(tmp_path, **settings):
+    settings.setdefault("no_work_delay", 0.05)
     config = CoordinatorConfig(directory=tmp_path / "project", **settings)
     coordinator = Coordinator(config)
     runner, url = await serve(coordinator, "127.0.0.1", 0)
@@ -138,3 +139,28 @@ async def test_a_wrong_tile_is_caught_under_each_policy(tmp_path, rng, policy):
         assert invalid, "the wrong tile must be logged as invalid"
         reasons = " ".join(e.message for e in invalid)
         assert ("hash mismatch" in reasons) or ("freivalds" in reasons.lower())
+
+
+async def test_tail_acceleration_finishes_a_gemm_held_up_by_a_slow_host(tmp_path, rng):
+    # A deadline far away: only a spare replica can finish the GEMM in time.
+    redundancy = Redundancy(delay_bound=600.0)
+    async with running(tmp_path, policy=Policy.FREIVALDS, tile=16, redundancy=redundancy) as (
+        co,
+        queue,
+        url,
+    ):
+        a, b = operands(rng, 48, 64, 16, False, False)  # 12 tiles
+        product = asyncio.ensure_future(queue.matmul(a, b))
+        async with volunteers(url, [Behaviour(silent=True, capacity=1)]) as slow:
+            await wait_until(lambda: len(slow[0].taken) == 1)
+            async with volunteers(url, [Behaviour()] * 2) as crew:
+                got = await crew.finish(product)
+            (held,) = slow[0].taken
+            async with CoordinatorClient(url, token=slow[0].token) as client:
+                reply = await client.request_work("late", capacity=0, in_progress=[held])
+            assert reply["abort"] == [held]  # the slow host is told to drop its copy
+        assert np.array_equal(bits(got), bits(kernels.gemm(a, b)))
+        accelerated = await co.store.events(kind="wu", state="accelerated")
+        assert len(accelerated) == 1
+        aborted = await co.store.events(kind="result", state="aborted")
+        assert [e.result_id for e in aborted] == [held]

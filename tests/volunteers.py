@@ -36,6 +36,7 @@ class ScriptedVolunteer:
     done: int = 0
     taken: list[str] = field(default_factory=list)
     host_id: int | None = None
+    token: str | None = None
     refused: ServerRefused | None = None  # why the coordinator stopped talking to us
 
     async def run(self, stop: asyncio.Event) -> None:
@@ -49,6 +50,7 @@ class ScriptedVolunteer:
     async def _work(self, stop: asyncio.Event) -> None:
         async with CoordinatorClient(self.url, timeout=10) as client:
             self.host_id = await self._retry(stop, lambda: client.register(self.name, gflops=10.0))
+            self.token = client.token
             requests = itertools.count()
             in_progress: list[str] = []
             while not stop.is_set():
@@ -57,7 +59,7 @@ class ScriptedVolunteer:
                     stop,
                     lambda rid=request_id, busy=tuple(in_progress): client.request_work(
                         rid,
-                        capacity=self.behaviour.capacity,
+                        capacity=max(0, self.behaviour.capacity - len(busy)),
                         cached=list(self.cache),
                         in_progress=busy,
                     ),
