@@ -258,10 +258,17 @@ class Coordinator:
     async def report(self, host: Host, request: ReportRequest, now: float) -> dict:
         """Accept a batch of results: all entries are checked before any is applied."""
         checked = []
+        finished = []  # results of GEMMs already done and out of memory: nothing to apply
         for entry in request.results:
             result = self.ledger.results.get(entry.result_id)
             if result is None:
-                raise NotFound(f"unknown result {entry.result_id}")
+                result = await self.store.result(entry.result_id)
+                if result is None:
+                    raise NotFound(f"unknown result {entry.result_id}")
+                if result.host_id != host.id:
+                    raise Forbidden(f"result {entry.result_id} is not assigned to host {host.id}")
+                finished.append(entry.result_id)
+                continue
             if result.host_id != host.id:
                 raise Forbidden(f"result {entry.result_id} is not assigned to host {host.id}")
             wu = self.ledger.wus[result.wu_id]
@@ -271,7 +278,7 @@ class Coordinator:
             elif entry.error is None and result.upload_tile and wu.state not in WU_DECIDED:
                 raise BadRequest(f"result {entry.result_id}: the assignment asked for the tile")
             checked.append((entry, result, wu, tile))
-        summary: dict[str, list[str]] = {"accepted": [], "late": [], "duplicate": []}
+        summary: dict[str, list[str]] = {"accepted": [], "late": finished, "duplicate": []}
         for entry, result, wu, tile in checked:
             if tile is not None:
                 await asyncio.to_thread(self.blobs.put, tile, entry.output_hash)

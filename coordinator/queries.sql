@@ -65,6 +65,9 @@ SELECT body FROM work_replies WHERE host_id = :host_id AND request_id = :request
 -- name: select_hosts
 SELECT * FROM hosts;
 
+-- name: select_result
+SELECT * FROM results WHERE id = :id;
+
 -- name: select_gemm
 SELECT * FROM gemms WHERE id = :id;
 

@@ -96,6 +96,10 @@ class Store(abc.ABC):
         """All work units of a GEMM and all their results."""
 
     @abc.abstractmethod
+    async def result(self, result_id: str) -> Result | None:
+        """One result, also of a GEMM that is no longer in memory."""
+
+    @abc.abstractmethod
     async def reply(self, host_id: int, request_id: str) -> bytes | None:
         """The stored answer to a work request, if this host sent it before."""
 

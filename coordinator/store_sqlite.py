@@ -200,6 +200,10 @@ class SqliteStore(Store):
         res = [_result(r) for r in await self._all("select_results_of_gemm", gemm_id=gemm_id)]
         return wus, res
 
+    async def result(self, result_id: str) -> Result | None:
+        rows = await self._all("select_result", id=result_id)
+        return _result(rows[0]) if rows else None
+
     async def reply(self, host_id: int, request_id: str) -> bytes | None:
         rows = await self._all("select_reply", host_id=host_id, request_id=request_id)
         return bytes(rows[0]["body"]) if rows else None
