@@ -26,6 +26,7 @@ from coordinator.workunits import (
     Policy,
     Result,
     ServerState,
+    ValidateState,
     WorkUnit,
     WuState,
 )
@@ -71,10 +72,12 @@ def fast_and_reliable(host: Host, ledger: Ledger) -> bool:
 
 def wants_tile(wu_results: list[Result]) -> bool:
     """Upload the full tile unless another live replica already does."""
+    usable = (ValidateState.INIT, ValidateState.VALID)
     for r in wu_results:
         if r.server_state is ServerState.IN_PROGRESS and r.upload_tile:
             return False
-        if r.outcome is Outcome.SUCCESS and r.has_tile and r.validate_state.value != "invalid":
+        # An inconclusive tile (outside any quorum so far) may never become canonical.
+        if r.outcome is Outcome.SUCCESS and r.has_tile and r.validate_state in usable:
             return False
     return True
 

@@ -79,7 +79,9 @@ def transition(
         out.events.append(_event(wu, now, result.outcome.value, message, result))
 
     for r in results:
-        if r.server_state is ServerState.IN_PROGRESS and (r.report_deadline or math.inf) < now:
+        # <=: a deadline of exactly `now` is missed; the returned transition_time is then
+        # always after `now`, so the due queue never drops a work unit it just popped.
+        if r.server_state is ServerState.IN_PROGRESS and (r.report_deadline or math.inf) <= now:
             change(
                 r.evolve(server_state=ServerState.OVER, outcome=Outcome.NO_REPLY),
                 f"no reply from host {r.host_id} by the deadline",
@@ -120,6 +122,12 @@ def transition(
                 change(
                     r.evolve(server_state=ServerState.OVER, outcome=Outcome.DIDNT_NEED),
                     "not needed: the work unit failed",
+                )
+            elif r.server_state is ServerState.IN_PROGRESS:
+                # Its host is told to drop it in its next work reply.
+                change(
+                    r.evolve(server_state=ServerState.OVER, outcome=Outcome.ABORTED),
+                    "aborted: the work unit failed",
                 )
         out.wu = wu.evolve(
             state=WuState.ERROR, error_mask=wu.error_mask | mask, transition_time=math.inf

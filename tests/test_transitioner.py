@@ -311,7 +311,9 @@ def test_failing_keeps_earlier_error_bits():
     [
         pytest.param(4, [*_errors(3, 0, 0), in_progress("r")], True, id="one more would be 5"),
         pytest.param(5, [*_errors(3, 0, 0), in_progress("r")], False, id="one more is 5"),
-        pytest.param(4, [*_errors(2, 0, 0), in_progress("r"), unsent("u")], False, id="none needed"),
+        pytest.param(
+            4, [*_errors(2, 0, 0), in_progress("r"), unsent("u")], False, id="none needed"
+        ),
         pytest.param(
             3, [*_errors(1, 1, 0), success("s", 9)], True, id="success and errors at the cap"
         ),
@@ -400,3 +402,11 @@ def test_transition_time_is_never_a_moment_already_handled(deadline):
     change = run(make_wu(), [in_progress("a", deadline=deadline), in_progress("b", 2)])
 
     assert change.wu.transition_time > NOW
+
+
+def test_a_failed_wu_aborts_its_in_progress_replicas_so_their_hosts_drop_them():
+    errors = [over(f"e{i}", Outcome.CLIENT_ERROR, host=i) for i in range(5)]
+    out = transition(make_wu(), [*errors, in_progress("busy", host=9)], NOW, iter(["x"]).__next__)
+    assert out.wu.state is WuState.ERROR
+    (busy,) = [r for r in out.results if r.id == "busy"]
+    assert busy.server_state is ServerState.OVER and busy.outcome is Outcome.ABORTED

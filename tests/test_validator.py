@@ -124,7 +124,7 @@ def messages(decision: Decision, result_id: str | None = None) -> list[str]:
     return [
         e.message
         for e in decision.events
-        if result_id is None or e.result_id == result_id and e.kind == "validation"
+        if result_id is None or (e.result_id == result_id and e.kind == "validation")
     ]
 
 
@@ -262,8 +262,19 @@ def test_a_quorum_of_hashes_without_a_tile_asks_for_one_more_replica(extra, rais
     assert decision.verdicts == []
 
 
+def test_after_a_mismatch_the_next_replica_uploads_its_tile():
+    wu = make_wu()
+    results = [returned("r1", A, tile=True), returned("r2", B, at=1)]
+    assert not wants_tile(results[:1]), "the second replica reports its hash only"
+
+    decision = decide(wu, results, {}, NOW)
+
+    assert wants_tile(apply(results, decision)), "r1's tile may be the wrong one"
+
+
 def test_hash_only_majority_against_the_tile_gets_exactly_one_upload_replica():
-    """BOINC-style flow: the tile's uploader is the odd one out; one new replica, uploading."""
+    """The tile's uploader is the odd one out (r3 was sent hash-only while an upload was in
+    flight): one new replica, uploading, and nobody judged until the tile arrives."""
     wu = make_wu()
     results = [returned("r1", A, tile=True), returned("r2", B, at=1)]
     first = decide(wu, results, {}, NOW)
@@ -493,10 +504,32 @@ def test_both_policy_dissenter_is_not_punished_when_the_majority_fails_freivalds
     wu = make_wu(Policy.BOTH, target_nresults=3)
     results = [returned("r1", A, tile=True), returned("r2", A, at=1), returned("r3", B, at=2)]
 
-    decision = decide(wu, results, run_checks(wu, results, FAIL), NOW)
+    failed = decide(wu, results, run_checks(wu, results, FAIL), NOW)
 
-    assert verdicts(decision) == {"r1": False, "r2": False}
-    assert states(decision).get("r3") is not ValidateState.INVALID
+    assert verdicts(failed) == {"r1": False, "r2": False}
+    assert states(failed)["r3"] is ValidateState.INCONCLUSIVE
+    results = apply(results, failed)
+    assert wants_tile(results), "the next replica must bring a tile"
+
+    results.append(returned("r4", B, tile=True, at=3))
+    confirmed = decide(failed.wu, results, run_checks(failed.wu, results, PASS), NOW + 1)
+
+    assert confirmed.decided
+    assert (confirmed.wu.canonical_result, confirmed.wu.canonical_hash) == ("r4", B)
+    assert verdicts(confirmed) == {"r3": True, "r4": True}
+
+
+def test_both_policy_hash_majority_against_the_only_tile_judges_nobody_yet():
+    wu = make_wu(Policy.BOTH, target_nresults=3)
+    results = [returned("r1", A, tile=True), returned("r2", B, at=1), returned("r3", B, at=2)]
+
+    decision = decide(wu, results, run_checks(wu, results, PASS), NOW)
+
+    assert not decision.decided
+    assert decision.verdicts == []
+    assert states(decision) == {"r1": ValidateState.INCONCLUSIVE}
+    assert decision.wu.target_nresults == 4
+    assert wants_tile(apply(results, decision))
 
 
 # ---- repeated passes -----------------------------------------------------------------------
@@ -505,9 +538,7 @@ def test_both_policy_dissenter_is_not_punished_when_the_majority_fails_freivalds
 @pytest.mark.parametrize(
     ("wu", "results", "checks"),
     [
-        pytest.param(
-            make_wu(), [returned("r1", A, tile=True), returned("r2", A)], {}, id="quorum"
-        ),
+        pytest.param(make_wu(), [returned("r1", A, tile=True), returned("r2", A)], {}, id="quorum"),
         pytest.param(
             make_wu(), [returned("r1", A, tile=True), returned("r2", B)], {}, id="mismatch"
         ),

@@ -212,18 +212,18 @@ def _decide_quorum(wu, results, checks, mark, out: Decision, now: float) -> None
         return
     agreed = group[0].output_hash
     outliers = [r for r in pending if r.output_hash != agreed]
-    n_out = len(outliers) + sum(
-        1 for r in results if r.validate_state is ValidateState.INVALID and r.output_hash
-    )
-    for r in outliers:
-        mark(
-            r,
-            ValidateState.INVALID,
-            f"hash mismatch: {len(group)} agree, {n_out} differ{'s' if n_out == 1 else ''}",
-        )
+
+    def hold() -> None:
+        # The quorum is not confirmed yet: outliers are not judged (an unconfirmed majority
+        # may be the wrong side, as in BOINC), only kept from being taken for the tile.
+        for r in outliers:
+            if r.validate_state is not ValidateState.INCONCLUSIVE:
+                mark(r, ValidateState.INCONCLUSIVE, "differs from an unconfirmed quorum")
+
     with_tile = [r for r in group if r.has_tile]
     if not with_tile:
         # The quorum reported hashes only; one more replica must upload the tile.
+        hold()
         in_flight = any(r.upload_tile and r.server_state is not ServerState.OVER for r in results)
         if not in_flight:
             out.wu = out.wu.evolve(target_nresults=out.wu.target_nresults + 1)
@@ -239,8 +239,18 @@ def _decide_quorum(wu, results, checks, mark, out: Decision, now: float) -> None
                     ValidateState.INVALID,
                     f"quorum of {len(group)} agreed on a tile that fails Freivalds: {check.reason}",
                 )
+            hold()
             out.wu = out.wu.evolve(target_nresults=out.wu.target_nresults + 1)
             return
+    n_out = len(outliers) + sum(
+        1 for r in results if r.validate_state is ValidateState.INVALID and r.output_hash
+    )
+    for r in outliers:
+        mark(
+            r,
+            ValidateState.INVALID,
+            f"hash mismatch: {len(group)} agree, {n_out} differ{'s' if n_out == 1 else ''}",
+        )
     for r in group:
         if r.validate_state is not ValidateState.VALID:
             mark(r, ValidateState.VALID, f"quorum: {len(group)} bit-identical results agree")

@@ -1,0 +1,513 @@
+"""The scheduler: which replicas a host gets, with which deadline, and what it must abort."""
+
+from __future__ import annotations
+
+import math
+import random
+from collections.abc import Iterable
+
+import pytest
+
+from coordinator.ledger import Ledger
+from coordinator.protocol import WorkRequest
+from coordinator.scheduler import (
+    Plan,
+    Scheduler,
+    SchedulerConfig,
+    report_deadline,
+    wants_tile,
+)
+from coordinator.workunits import (
+    Host,
+    Outcome,
+    Policy,
+    Result,
+    ServerState,
+    ValidateState,
+    WorkUnit,
+)
+
+NOW = 5_000.0
+CONFIG = SchedulerConfig(deadline_floor=5.0, deadline_slack=20.0, trust_threshold=10)
+
+
+# ---- factories -----------------------------------------------------------------------------
+
+
+def make_host(
+    host_id: int = 1,
+    *,
+    gflops: float = 10.0,
+    cv: int = 0,
+    max_in_progress: int = 64,
+    quarantined: bool = False,
+) -> Host:
+    return Host(
+        id=host_id,
+        name=f"host-{host_id}",
+        token_hash=f"token-{host_id}",
+        created=0.0,
+        last_contact=0.0,
+        gflops=gflops,
+        consecutive_valid=cv,
+        max_in_progress=max_in_progress,
+        quarantined=quarantined,
+    )
+
+
+def make_wu(
+    n: int,
+    *,
+    panels: tuple[str, str] | None = None,
+    size: tuple[int, int, int] = (64, 64, 64),
+    **changes: object,
+) -> WorkUnit:
+    m, nn, k = size
+    a_panel, b_panel = panels or (f"a{n}", f"b{n}")
+    wu = WorkUnit(
+        id=f"wu-{n}",
+        gemm_id="gemm-1",
+        step=1,
+        i0=0,
+        i1=m,
+        j0=0,
+        j1=nn,
+        k=k,
+        a_panel=a_panel,
+        b_panel=b_panel,
+        trans_a=False,
+        trans_b=False,
+        kernel_version=1,
+        policy=Policy.QUORUM,
+        target_nresults=2,
+        min_quorum=2,
+        max_error_results=4,
+        max_total_results=8,
+        delay_bound=60.0,
+        transition_time=math.inf,
+    )
+    return wu.evolve(**changes)
+
+
+def replica(wu: WorkUnit, i: int = 0, **changes: object) -> Result:
+    return Result(id=f"{wu.id}-r{i}", wu_id=wu.id).evolve(**changes)
+
+
+def sent_to(wu: WorkUnit, host_id: int, i: int = 0, **changes: object) -> Result:
+    return replica(
+        wu,
+        i,
+        host_id=host_id,
+        server_state=ServerState.IN_PROGRESS,
+        sent_time=NOW - 10,
+        report_deadline=NOW + 50,
+    ).evolve(**changes)
+
+
+def make_ledger(
+    wus: Iterable[WorkUnit] = (), *, replicas: int = 2, hosts: Iterable[Host] = ()
+) -> Ledger:
+    """A ledger (never flushed) holding hosts and work units, each with unsent replicas."""
+    ledger = Ledger(store=None)
+    for host in hosts:
+        ledger.put_host(host)
+    for wu in wus:
+        ledger.put_wu(wu)
+        for i in range(replicas):
+            ledger.put_result(replica(wu, i))
+    return ledger
+
+
+def request(
+    *, in_progress: Iterable[str] = (), cached: Iterable[str] = (), capacity: int = 64
+) -> WorkRequest:
+    return WorkRequest(
+        request_id="req-1",
+        capacity=capacity,
+        cached=tuple(cached),
+        in_progress=tuple(in_progress),
+        gflops=None,
+    )
+
+
+def scheduler(ledger: Ledger, seed: int = 7, config: SchedulerConfig = CONFIG) -> Scheduler:
+    return Scheduler(ledger, config, random.Random(seed))
+
+
+def assigned(plan: Plan) -> list[str]:
+    return [a.result.id for a in plan.assignments]
+
+
+def assigned_wus(plan: Plan) -> list[str]:
+    return [a.wu.id for a in plan.assignments]
+
+
+# ---- one host, one replica per work unit ---------------------------------------------------
+
+
+def test_a_host_never_gets_two_replicas_of_one_work_unit():
+    ledger = make_ledger([make_wu(1)], replicas=3)
+    sched = scheduler(ledger)
+
+    first = sched.plan(make_host(1), request(), NOW)
+    again = sched.plan(make_host(1), request(in_progress=assigned(first)), NOW + 1)
+    other = sched.plan(make_host(2), request(), NOW + 2)
+
+    assert assigned(first) == ["wu-1-r0"]
+    assert assigned(again) == []
+    assert assigned(other) == ["wu-1-r1"]
+
+
+@pytest.mark.parametrize(
+    "outcome", [Outcome.CLIENT_ERROR, Outcome.NO_REPLY, Outcome.SUCCESS, Outcome.ABORTED]
+)
+def test_a_host_does_not_get_another_replica_after_its_first_one_ended(outcome):
+    wu = make_wu(1)
+    ledger = make_ledger([wu], replicas=0)
+    ledger.put_result(sent_to(wu, 1, 0).evolve(server_state=ServerState.OVER, outcome=outcome))
+    ledger.put_result(replica(wu, 1))
+    sched = scheduler(ledger)
+
+    assert assigned(sched.plan(make_host(1), request(), NOW)) == []
+    assert assigned(sched.plan(make_host(2), request(), NOW)) == ["wu-1-r1"]
+
+
+# ---- quota ---------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("quota", "already", "capacity", "expected"),
+    [
+        pytest.param(4, 0, 64, 4, id="quota limits"),
+        pytest.param(4, 1, 64, 3, id="in progress counts"),
+        pytest.param(4, 4, 64, 0, id="quota full"),
+        pytest.param(2, 3, 64, 0, id="over quota after a cut"),
+        pytest.param(1, 0, 64, 1, id="cut to one"),
+        pytest.param(8, 0, 2, 2, id="capacity limits"),
+        pytest.param(8, 2, 0, 0, id="no capacity"),
+    ],
+)
+def test_in_progress_quota_is_respected(quota, already, capacity, expected):
+    busy = [make_wu(100 + i) for i in range(already)]
+    ledger = make_ledger([make_wu(i) for i in range(10)], hosts=[make_host(1)])
+    for wu in busy:
+        ledger.put_wu(wu)
+        ledger.put_result(sent_to(wu, 1))
+    host = make_host(1, max_in_progress=quota)
+
+    listed = [f"{w.id}-r0" for w in busy]
+    plan = scheduler(ledger).plan(host, request(in_progress=listed, capacity=capacity), NOW)
+
+    assert len(plan.assignments) == expected
+    assert len(ledger.in_progress_of[1]) == already + expected
+
+
+# ---- cached panels -------------------------------------------------------------------------
+
+
+PANEL_BYTES = {"a1": 1_000, "b1": 2_000, "a2": 30_000, "b2": 40_000, "a3": 500, "b3": 600}
+
+
+@pytest.mark.parametrize(
+    ("cached", "capacity", "expected_wus", "saved"),
+    [
+        pytest.param([], 2, ["wu-1", "wu-2"], 0, id="nothing cached: oldest first"),
+        pytest.param(["a3", "b3"], 1, ["wu-3"], 1_100, id="both panels cached"),
+        pytest.param(["b2"], 1, ["wu-2"], 40_000, id="one panel cached"),
+        pytest.param(["a1", "b2"], 2, ["wu-2", "wu-1"], 41_000, id="most bytes first"),
+        pytest.param(["zz"], 1, ["wu-1"], 0, id="unknown panel"),
+        pytest.param(["a3"], 3, ["wu-3", "wu-1", "wu-2"], 500, id="then the rest"),
+    ],
+)
+def test_cached_panels_are_preferred_and_the_bytes_saved_counted(
+    cached, capacity, expected_wus, saved
+):
+    ledger = make_ledger([make_wu(1), make_wu(2), make_wu(3)], replicas=1)
+    ledger.panel_bytes.update(PANEL_BYTES)
+
+    plan = scheduler(ledger).plan(make_host(1), request(cached=cached, capacity=capacity), NOW)
+
+    assert assigned_wus(plan) == expected_wus
+    assert plan.bytes_saved == saved
+
+
+# ---- lost replies and aborts ---------------------------------------------------------------
+
+
+def test_an_assignment_whose_reply_was_lost_is_resent_unchanged():
+    ledger = make_ledger([make_wu(1)], replicas=3)
+    sched = scheduler(ledger)
+    first = sched.plan(make_host(1), request(capacity=1), NOW)
+    (sent,) = [a.result for a in first.assignments]
+
+    retry = sched.plan(make_host(1), request(in_progress=()), NOW + 3)
+
+    assert assigned(retry) == [sent.id]
+    assert retry.assignments[0].result == sent  # same deadline, same upload flag
+    assert [e.state for e in retry.events] == ["resent"]
+    assert sorted(r.id for r in ledger.results.values() if r.host_id == 1) == [sent.id]
+    assert len(ledger.unsent) == 2
+
+
+def test_a_resent_assignment_counts_against_the_quota():
+    ledger = make_ledger([make_wu(1), make_wu(2), make_wu(3)])
+    sched = scheduler(ledger)
+    host = make_host(1, max_in_progress=2)
+    lost = assigned(sched.plan(host, request(capacity=1), NOW))
+
+    retry = sched.plan(host, request(in_progress=()), NOW + 1)
+
+    assert assigned(retry)[0] == lost[0]
+    assert len(retry.assignments) == 2
+    assert len(ledger.in_progress_of[1]) == 2
+
+
+def _abort_ledger() -> Ledger:
+    wus = [make_wu(i) for i in range(1, 6)]
+    ledger = make_ledger(wus, replicas=0)
+    ledger.put_result(sent_to(wus[0], 1))
+    ledger.put_result(sent_to(wus[1], 2))
+    over = {"server_state": ServerState.OVER}
+    ledger.put_result(sent_to(wus[2], 1, outcome=Outcome.ABORTED, **over))
+    ledger.put_result(sent_to(wus[3], 1, outcome=Outcome.NO_REPLY, **over))
+    ledger.put_result(sent_to(wus[4], 1, outcome=Outcome.SUCCESS, output_hash="h", **over))
+    return ledger
+
+
+@pytest.mark.parametrize(
+    ("listed", "aborted"),
+    [
+        pytest.param("wu-1-r0", False, id="in progress for this host"),
+        pytest.param("wu-2-r0", True, id="another host's"),
+        pytest.param("wu-3-r0", True, id="aborted: work unit decided"),
+        pytest.param("wu-4-r0", True, id="timed out"),
+        pytest.param("wu-5-r0", True, id="already reported"),
+        pytest.param("f" * 32, True, id="unknown"),
+    ],
+)
+def test_listed_results_not_in_progress_for_the_host_are_aborted(listed, aborted):
+    ledger = _abort_ledger()
+    others = [] if listed == "wu-1-r0" else ["wu-1-r0"]
+
+    plan = scheduler(ledger).plan(make_host(1), request(in_progress=[listed, *others]), NOW)
+
+    assert (listed in plan.abort) is aborted
+    assert "wu-1-r0" not in plan.abort
+    assert assigned(plan) == []  # nothing to resend, nothing unsent
+
+
+# ---- deadlines -----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("gflops", "size", "delay_bound", "expected"),
+    [
+        pytest.param(1_000.0, (64, 64, 64), 60.0, 5.0 + 20 * 524_288 / 1e12, id="fast: floor"),
+        pytest.param(1.0, (1024, 1024, 1024), 60.0, 5.0 + 20 * 2.147483648, id="by speed"),
+        pytest.param(1.0, (1024, 1024, 1024), 30.0, 30.0, id="capped by delay_bound"),
+        pytest.param(0.001, (64, 64, 64), 60.0, 5.0 + 20 * 0.524288, id="very slow, small"),
+        pytest.param(0.001, (256, 256, 256), 60.0, 60.0, id="very slow: delay_bound"),
+        pytest.param(0.0, (256, 256, 256), 60.0, 60.0, id="unknown speed"),
+        pytest.param(10.0, (1024, 1024, 1024), 60.0, 5.0 + 2 * 2.147483648, id="10x faster"),
+    ],
+)
+def test_report_deadline_follows_host_speed_and_never_exceeds_delay_bound(
+    gflops, size, delay_bound, expected
+):
+    wu = make_wu(1, size=size, delay_bound=delay_bound)
+
+    deadline = report_deadline(wu, make_host(1, gflops=gflops), NOW, CONFIG)
+
+    assert deadline - NOW == pytest.approx(expected)
+    assert deadline - NOW <= delay_bound
+
+
+@pytest.mark.parametrize("gflops", [0.01, 1.0, 100.0])
+def test_an_assignment_carries_its_deadline_and_the_wu_is_due_by_then(gflops):
+    wu = make_wu(1, size=(512, 512, 512))
+    ledger = make_ledger([wu])
+    host = make_host(1, gflops=gflops)
+
+    (assignment,) = scheduler(ledger).plan(host, request(), NOW).assignments
+
+    expected = report_deadline(wu, host, NOW, CONFIG)
+    assert assignment.result.report_deadline == expected
+    assert assignment.result.sent_time == NOW
+    assert assignment.result.server_state is ServerState.IN_PROGRESS
+    assert ledger.wus["wu-1"].transition_time == expected
+    assert ledger.next_due() == expected
+
+
+# ---- adaptive replication ------------------------------------------------------------------
+
+N_WUS = 200
+
+
+def _adaptive_run(cv: int, seed: int = 7) -> tuple[Ledger, Plan]:
+    ledger = make_ledger([make_wu(i) for i in range(N_WUS)])
+    host = make_host(1, cv=cv, max_in_progress=N_WUS)
+    plan = scheduler(ledger, seed).plan(host, request(capacity=N_WUS), NOW)
+    assert len(plan.assignments) == N_WUS
+    return ledger, plan
+
+
+def _singles(ledger: Ledger) -> set[str]:
+    return {wu.id for wu in ledger.wus.values() if wu.min_quorum == 1}
+
+
+@pytest.mark.parametrize("cv", [10, 20, 100])
+def test_trusted_host_gets_single_replica_work_units_for_some_draws(cv):
+    ledger, plan = _adaptive_run(cv)
+
+    singles = _singles(ledger)
+    assert 0 < len(singles) <= N_WUS
+    assert len(singles) / N_WUS == pytest.approx(1 - 1 / cv, abs=0.06)
+    for a in plan.assignments:
+        spare = ledger.results[f"{a.wu.id}-r1"]
+        if a.wu.id in singles:
+            assert (a.wu.target_nresults, a.wu.min_quorum) == (1, 1)
+            assert ledger.wus[a.wu.id] == a.wu
+            assert a.result.upload_tile, "a lone replica's tile is Freivalds-checked"
+            assert (spare.server_state, spare.outcome) == (ServerState.OVER, Outcome.DIDNT_NEED)
+            assert spare.id not in ledger.unsent
+        else:
+            assert (a.wu.target_nresults, a.wu.min_quorum) == (2, 2)
+            assert spare.server_state is ServerState.UNSENT
+        assert ledger.results[a.result.id].server_state is ServerState.IN_PROGRESS
+    assert sum(e.state == "single_replica" for e in plan.events) == len(singles)
+
+
+@pytest.mark.parametrize("cv", [0, 1, 5, 9])
+def test_host_below_the_trust_threshold_never_gets_a_work_unit_alone(cv):
+    ledger, _ = _adaptive_run(cv)
+
+    assert _singles(ledger) == set()
+    assert len(ledger.unsent) == N_WUS
+
+
+def test_adaptive_replication_draws_are_reproducible_from_the_seed():
+    assert _singles(_adaptive_run(10, seed=3)[0]) == _singles(_adaptive_run(10, seed=3)[0])
+    assert _singles(_adaptive_run(10, seed=3)[0]) != _singles(_adaptive_run(10, seed=4)[0])
+
+
+def test_adaptive_replication_only_when_the_first_replica_is_sent():
+    wus = [make_wu(i) for i in range(20)]
+    ledger = make_ledger(wus)
+    sched = scheduler(ledger)
+    sched.plan(make_host(1, cv=0), request(), NOW)  # first replicas to an unproven host
+
+    plan = sched.plan(make_host(2, cv=10_000), request(), NOW)
+
+    assert len(plan.assignments) == 20
+    assert _singles(ledger) == set()
+
+
+def test_freivalds_work_units_are_left_as_they_are():
+    wus = [make_wu(i, policy=Policy.FREIVALDS, target_nresults=1, min_quorum=1) for i in range(5)]
+    ledger = make_ledger(wus, replicas=1)
+
+    plan = scheduler(ledger).plan(make_host(1, cv=10_000), request(), NOW)
+
+    assert [(a.wu.id, a.wu.target_nresults, a.wu.min_quorum) for a in plan.assignments] == [
+        (wu.id, 1, 1) for wu in wus
+    ]
+    assert all(a.result.upload_tile for a in plan.assignments)
+    assert not any(e.state == "single_replica" for e in plan.events)
+
+
+# ---- tail acceleration ---------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("gflops", "cv", "quarantined", "gets_spare"),
+    [
+        pytest.param(5.0, 3, False, True, id="fast and proven"),
+        pytest.param(3.0, 1, False, True, id="median speed"),
+        pytest.param(1.0, 3, False, False, id="below the median"),
+        pytest.param(5.0, 0, False, False, id="fast but unproven"),
+        pytest.param(5.0, 3, True, False, id="quarantined"),
+    ],
+)
+def test_accelerated_work_units_go_only_to_fast_reliable_hosts(gflops, cv, quarantined, gets_spare):
+    others = [make_host(i, gflops=g, cv=5) for i, g in [(1, 1.0), (2, 2.0), (3, 4.0), (4, 5.0)]]
+    host = make_host(10, gflops=gflops, cv=cv, quarantined=quarantined)
+    spare_wu, plain_wu = make_wu(1, accelerated=True, target_nresults=3), make_wu(2)
+    ledger = make_ledger(hosts=[*others, host])
+    ledger.put_wu(spare_wu)
+    ledger.put_result(sent_to(spare_wu, 1, 0))
+    ledger.put_result(sent_to(spare_wu, 2, 1))
+    ledger.put_result(replica(spare_wu, 2))
+    ledger.put_wu(plain_wu)
+    ledger.put_result(replica(plain_wu))
+
+    plan = scheduler(ledger).plan(host, request(), NOW)
+
+    assert ("wu-1" in assigned_wus(plan)) is gets_spare
+    assert "wu-2" in assigned_wus(plan), "ordinary work still goes to any host"
+    for a in plan.assignments:
+        if a.wu.accelerated:
+            assert a.result.upload_tile
+
+
+# ---- tile or hash --------------------------------------------------------------------------
+
+
+def test_first_replica_uploads_the_tile_and_later_ones_report_the_hash_only():
+    ledger = make_ledger([make_wu(1)], replicas=3)
+    sched = scheduler(ledger)
+
+    uploads = [
+        sched.plan(make_host(h), request(), NOW).assignments[0].result.upload_tile
+        for h in (1, 2, 3)
+    ]
+
+    assert uploads == [True, False, False]
+
+
+def _returned(wu: WorkUnit, i: int, *, tile: bool, state: ValidateState) -> Result:
+    return sent_to(wu, i + 1, i, upload_tile=tile).evolve(
+        server_state=ServerState.OVER,
+        outcome=Outcome.SUCCESS,
+        output_hash="h",
+        has_tile=tile,
+        validate_state=state,
+    )
+
+
+W = make_wu(1)
+
+
+@pytest.mark.parametrize(
+    ("siblings", "expected"),
+    [
+        pytest.param([], True, id="first replica"),
+        pytest.param([replica(W, 0)], True, id="only unsent siblings"),
+        pytest.param([sent_to(W, 1, upload_tile=True)], False, id="an upload in progress"),
+        pytest.param([sent_to(W, 1, upload_tile=False)], True, id="hash-only in progress"),
+        pytest.param(
+            [_returned(W, 0, tile=True, state=ValidateState.INIT)], False, id="tile returned"
+        ),
+        pytest.param(
+            [_returned(W, 0, tile=True, state=ValidateState.INVALID)], True, id="tile invalid"
+        ),
+        pytest.param(
+            [_returned(W, 0, tile=True, state=ValidateState.INCONCLUSIVE)],
+            True,
+            id="tile inconclusive",
+        ),
+        pytest.param(
+            [_returned(W, 0, tile=False, state=ValidateState.INIT)], True, id="hash returned"
+        ),
+        pytest.param(
+            [
+                sent_to(W, 1, upload_tile=True).evolve(
+                    server_state=ServerState.OVER, outcome=Outcome.CLIENT_ERROR
+                )
+            ],
+            True,
+            id="uploader errored",
+        ),
+    ],
+)
+def test_wants_tile_unless_a_live_replica_brings_one(siblings, expected):
+    assert wants_tile(siblings) is expected
