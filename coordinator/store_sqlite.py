@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import functools
 import logging
 import re
 from importlib import resources
@@ -47,16 +48,21 @@ def migrations() -> list[tuple[int, str]]:
     return sorted(found)
 
 
+@functools.cache
+def _field_names(cls: type) -> tuple[str, ...]:
+    return tuple(f.name for f in dataclasses.fields(cls))
+
+
 def _row(record: Any) -> dict[str, Any]:
     """A record as SQL parameters: enums as their values, bools as integers."""
     row = {}
-    for f in dataclasses.fields(record):
-        value = getattr(record, f.name)
+    for name in _field_names(type(record)):
+        value = getattr(record, name)
         if isinstance(value, enum.Enum):
             value = value.value
-        elif isinstance(value, bool):
+        elif value is True or value is False:
             value = int(value)
-        row[f.name] = value
+        row[name] = value
     return row
 
 
