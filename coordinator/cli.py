@@ -4,29 +4,22 @@ from __future__ import annotations
 
 import os
 import time
-from typing import Any
 
 import click
 import numpy as np
 
 import kernels
 from kernels import reference
-
-ENV_PREFIX = "TILEHIVE_"
-
-
-def option(*names: str, **kwargs: Any):
-    """A click option that also reads TILEHIVE_<LONG_NAME> from the environment."""
-    long_name = max(names, key=len).lstrip("-")
-    kwargs.setdefault("envvar", ENV_PREFIX + long_name.upper().replace("-", "_"))
-    kwargs.setdefault("show_envvar", True)
-    return click.option(*names, **kwargs)
+from volunteer.cli import option, volunteer
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(package_name="tilehive")
 def main() -> None:
     """tilehive: train neural networks on volunteered computers, every tile verified."""
+
+
+main.add_command(volunteer)
 
 
 def _bits_equal(x: np.ndarray, y: np.ndarray) -> bool:

@@ -224,6 +224,12 @@ class Coordinator:
             "bytes_saved": plan.bytes_saved,
             "delay": 0.0 if assignments else self.config.no_work_delay,
         }
+        if plan.too_big and not assignments:
+            message["note"] = (
+                f"{plan.too_big} work unit(s) need more memory than this host offers "
+                f"({host.max_memory_mb} MB); the smallest needs "
+                f"{plan.smallest_need / (1 << 20):.1f} MB: raise --max-memory"
+            )
         body = encode(message)
         self._remember_reply(host.id, request.request_id, body, now)
         await self.ledger.flush()

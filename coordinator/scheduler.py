@@ -54,12 +54,21 @@ class Plan:
     abort: list[str] = field(default_factory=list)
     bytes_saved: int = 0
     events: list[Event] = field(default_factory=list)
+    too_big: int = 0  # work units skipped because they need more memory than the host has
+    smallest_need: int = 0  # bytes the smallest of those needs
 
 
 def report_deadline(wu: WorkUnit, host: Host, now: float, config: SchedulerConfig) -> float:
     """From delay_bound and the host's measured speed: never later than delay_bound."""
     expected = wu.flops / max(host.gflops, 1e-3) / 1e9
     return now + min(wu.delay_bound, config.deadline_floor + config.deadline_slack * expected)
+
+
+def memory_need(wu: WorkUnit, panel_bytes: dict[str, int]) -> int:
+    """Bytes a volunteer needs for one work unit: both panels, and the tile three times
+    (computed, encoded as a blob, copied into the report)."""
+    m, n, _ = wu.shape
+    return panel_bytes.get(wu.a_panel, 0) + panel_bytes.get(wu.b_panel, 0) + 12 * m * n
 
 
 def fast_and_reliable(host: Host, ledger: Ledger) -> bool:
@@ -141,6 +150,12 @@ class Scheduler:
             return None
         if wu.accelerated and not fast_and_reliable(host, ledger):
             return None
+        if host.max_memory_mb:
+            need = memory_need(wu, ledger.panel_bytes)
+            if need > host.max_memory_mb << 20:
+                plan.too_big += 1
+                plan.smallest_need = min(plan.smallest_need or need, need)
+                return None
         siblings = ledger.results_for(wu.id)
         wu = self._maybe_trust(host, wu, siblings, now, plan)
         result = result.evolve(

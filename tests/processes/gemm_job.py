@@ -16,12 +16,18 @@ import numpy as np
 from coordinator.api import serve
 from coordinator.engine import Coordinator, CoordinatorConfig
 from coordinator.queue import WorkQueue
-from coordinator.workunits import Policy
+from coordinator.workunits import Policy, Redundancy
 
 
 async def run(args: argparse.Namespace) -> None:
     coordinator = Coordinator(
-        CoordinatorConfig(directory=args.directory, tile=args.tile, policy=Policy(args.policy))
+        CoordinatorConfig(
+            directory=args.directory,
+            tile=args.tile,
+            policy=Policy(args.policy),
+            redundancy=Redundancy(delay_bound=args.delay_bound),
+            no_work_delay=0.2,
+        )
     )
     runner, url = await serve(coordinator, "127.0.0.1", args.port)
     print(url, flush=True)
@@ -54,6 +60,7 @@ def main() -> None:
     parser.add_argument("--port", type=int, required=True)
     parser.add_argument("--tile", type=int, default=16)
     parser.add_argument("--policy", default="quorum")
+    parser.add_argument("--delay-bound", type=float, default=60.0)
     asyncio.run(run(parser.parse_args()))
 
 

@@ -1,0 +1,119 @@
+"""Real processes for end-to-end tests: a coordinator job and `tilehive volunteer` daemons."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import socket
+import sqlite3
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).parent.parent
+JOB = Path(__file__).parent / "processes" / "gemm_job.py"
+ENV = {**os.environ, "PYTHONPATH": str(ROOT), "TILEHIVE_MAX_BACKOFF": "0.5"}
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def save_operands(path: Path, products: list[tuple[np.ndarray, np.ndarray, bool, bool]]) -> None:
+    arrays = {}
+    for i, (a, b, trans_a, trans_b) in enumerate(products):
+        arrays[f"a{i}"], arrays[f"b{i}"] = a, b
+        arrays[f"flags{i}"] = np.array([trans_a, trans_b])
+    np.savez(path, **arrays)
+
+
+def start_job(
+    directory: Path, npz: Path, output: Path, port: int, log: Path, *options: str
+) -> subprocess.Popen:
+    """A coordinator process computing the products in npz; stderr goes to `log`, its first
+    stdout line is the URL (read it with `url_of`)."""
+    with log.open("a") as stderr:
+        return subprocess.Popen(
+            [
+                sys.executable,
+                str(JOB),
+                str(directory),
+                str(npz),
+                str(output),
+                "--port",
+                str(port),
+                *options,
+            ],
+            stdout=subprocess.PIPE,
+            stderr=stderr,
+            text=True,
+            cwd=ROOT,
+            env=ENV,
+        )
+
+
+async def url_of(process: subprocess.Popen) -> str:
+    line = await asyncio.to_thread(process.stdout.readline)
+    process.stdout.close()
+    return line.strip()
+
+
+def committed(directory: Path, query: str) -> list[tuple]:
+    """Rows from a coordinator's committed state (read-only, any time)."""
+    with sqlite3.connect(f"file:{directory / 'state.db'}?mode=ro", uri=True) as db:
+        return db.execute(query).fetchall()
+
+
+def tilehive(*args: str, timeout: float = 60) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "coordinator.cli", *args],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        env=ENV,
+        timeout=timeout,
+    )
+
+
+def start_volunteer(url: str, state_dir: Path, *options: str) -> subprocess.Popen:
+    """A foreground `tilehive volunteer start` process; its output goes to state_dir/out."""
+    state_dir.mkdir(parents=True, exist_ok=True)
+    with (state_dir / "out").open("a") as out:
+        return subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "coordinator.cli",
+                "volunteer",
+                "start",
+                url,
+                "--state-dir",
+                str(state_dir),
+                "--threads",
+                "1",
+                *options,
+            ],
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            cwd=ROOT,
+            env=ENV,
+        )
+
+
+def volunteer_status(state_dir: Path) -> dict:
+    try:
+        return json.loads((state_dir / "status.json").read_text())
+    except (FileNotFoundError, json.JSONDecodeError):
+        return {}
+
+
+def stop(process: subprocess.Popen, timeout: float = 30) -> int:
+    if process.poll() is None:
+        process.send_signal(signal.SIGTERM)
+    return process.wait(timeout)

@@ -1,0 +1,222 @@
+"""The volunteer daemon end to end: real `tilehive volunteer` processes, a real coordinator."""
+
+from __future__ import annotations
+
+import asyncio
+import re
+import signal
+
+import numpy as np
+import pytest
+
+import kernels
+from tests.conftest import bits, operands
+from tests.procs import (
+    committed,
+    free_port,
+    save_operands,
+    start_job,
+    start_volunteer,
+    stop,
+    tilehive,
+    url_of,
+    volunteer_status,
+)
+from tests.volunteers import wait_until
+from volunteer.cli import alive
+
+
+@pytest.fixture
+def job(tmp_path, rng):
+    """Start a coordinator process computing products; yields a starter, kills leftovers."""
+    started = []
+
+    async def start(shapes, *options, port=None):
+        products = []
+        for m, n, k, ta, tb in shapes:
+            products.append((*operands(rng, m, n, k, ta, tb), ta, tb))
+        npz, output = tmp_path / "operands.npz", tmp_path / "out.npz"
+        save_operands(npz, products)
+        port = port or free_port()
+        process = start_job(
+            tmp_path / "project", npz, output, port, tmp_path / "coordinator.log", *options
+        )
+        started.append(process)
+        url = await url_of(process)
+        assert url, (tmp_path / "coordinator.log").read_text()
+        return process, url, products, output
+
+    yield start
+    for process in started:
+        if process.poll() is None:
+            process.kill()
+            process.wait()
+
+
+def expect_products(output, products) -> None:
+    results = np.load(output)
+    for i, (a, b, ta, tb) in enumerate(products):
+        assert np.array_equal(
+            bits(results[f"c{i}"]), bits(kernels.gemm(a, b, trans_a=ta, trans_b=tb))
+        )
+
+
+async def test_daemon_start_status_second_start_and_stop(tmp_path, job):
+    process, url, products, output = await job(
+        [(96, 64, 32, False, False)], "--tile", "32", "--policy", "freivalds"
+    )
+    state = tmp_path / "vol"
+    started = tilehive(
+        "volunteer", "start", url, "--daemon", "--state-dir", str(state), "--threads", "1"
+    )
+    assert started.returncode == 0, started.stderr
+    pid = int(re.search(r"pid (\d+)", started.stdout).group(1))
+    again = tilehive("volunteer", "start", url, "--daemon", "--state-dir", str(state))
+    assert again.returncode != 0
+    assert "already runs" in again.stderr and str(pid) in again.stderr
+    code = await asyncio.to_thread(process.wait, 60)
+    assert code == 0
+    expect_products(output, products)
+    await wait_until(lambda: volunteer_status(state).get("tiles") == 6)  # 3 x 2 tiles
+    status = tilehive("volunteer", "status", "--state-dir", str(state))
+    assert status.returncode == 0 and f"pid {pid}" in status.stdout
+    assert "6 tiles" in status.stdout, status.stdout
+    stopped = tilehive("volunteer", "stop", "--state-dir", str(state))
+    assert stopped.returncode == 0 and "stopped" in stopped.stdout
+    assert not alive(pid)
+    assert not (state / "volunteer.pid").exists()
+    assert (state / "identity.json").stat().st_mode & 0o777 == 0o600
+    after = tilehive("volunteer", "status", "--state-dir", str(state))
+    assert after.returncode == 3 and "not running" in after.stdout
+
+
+async def test_a_volunteer_killed_with_sigkill_has_its_work_redone_by_another(tmp_path, job):
+    process, url, products, output = await job(
+        [(512, 512, 64, False, True)],
+        "--tile",
+        "16",
+        "--policy",
+        "freivalds",
+        "--delay-bound",
+        "2",
+    )
+    project = tmp_path / "project"
+    held = "SELECT wu_id FROM results WHERE host_id = 1 AND server_state = 'in_progress'"
+    done = "SELECT COUNT(*) FROM results WHERE host_id = 1 AND outcome = 'success'"
+    first = start_volunteer(url, tmp_path / "first")
+    await wait_until(lambda: committed(project, done)[0][0] >= 20 and committed(project, held))
+    first.send_signal(signal.SIGKILL)
+    first.wait()
+    lost = {w for (w,) in committed(project, held)}
+    assert lost, "the killed volunteer held work"
+    second = start_volunteer(url, tmp_path / "second")
+    try:
+        assert await asyncio.to_thread(process.wait, 120) == 0
+    finally:
+        stop(second)
+    expect_products(output, products)
+    timed_out = committed(
+        project, "SELECT wu_id FROM results WHERE host_id = 1 AND outcome = 'no_reply'"
+    )
+    assert {w for (w,) in timed_out} == lost
+    redone = committed(
+        project, "SELECT wu_id FROM results WHERE host_id = 2 AND validate_state = 'valid'"
+    )
+    assert lost <= {w for (w,) in redone}
+
+
+async def test_a_corrupt_blob_is_rejected_and_reported_never_computed(tmp_path, job):
+    process, url, _, _ = await job([(64, 64, 32, False, False)], "--tile", "32")
+    count = "SELECT COUNT(*) FROM workunits"
+    await wait_until(lambda: committed(tmp_path / "project", count)[0][0] == 4)
+    blobs = sorted((tmp_path / "project" / "blobs").rglob("*"))
+    panels = [p for p in blobs if p.is_file() and not p.name.startswith(".")]
+    assert len(panels) == 4  # two row panels, two column panels
+    bad = panels[0]
+    data = bytearray(bad.read_bytes())
+    data[-1] ^= 0xFF
+    bad.write_bytes(bytes(data))
+    volunteer = start_volunteer(url, tmp_path / "vol")
+    project = tmp_path / "project"
+    query = "SELECT error FROM results WHERE outcome = 'client_error'"
+    try:
+        await wait_until(lambda: committed(project, query), timeout=60)
+    finally:
+        assert stop(volunteer) == 0
+    errors = [e for (e,) in committed(project, query)]
+    assert all("corrupt blob" in e and bad.name in e for e in errors), errors
+    used_bad = committed(
+        project,
+        f"SELECT results.id FROM results JOIN workunits ON results.wu_id = workunits.id "
+        f"WHERE results.outcome = 'success' AND '{bad.name}' IN (a_panel, b_panel)",
+    )
+    assert used_bad == []  # nothing was computed from the corrupt panel
+    log = (tmp_path / "vol" / "out").read_text()
+    assert "operand blob is corrupt" in log and "Traceback" not in log
+    process.kill()
+
+
+async def test_the_volunteer_backs_off_while_the_coordinator_is_down_then_resumes(tmp_path, job):
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    volunteer = start_volunteer(url, tmp_path / "vol")
+    try:
+        await wait_until(
+            lambda: (
+                volunteer_status(tmp_path / "vol").get("state") == "offline"
+                and volunteer_status(tmp_path / "vol").get("backoff", 0) > 0
+            ),
+            timeout=30,
+        )
+        process, _, products, output = await job(
+            [(64, 96, 48, True, False)], "--tile", "32", "--policy", "freivalds", port=port
+        )
+        assert await asyncio.to_thread(process.wait, 60) == 0
+        expect_products(output, products)
+    finally:
+        assert stop(volunteer) == 0
+    assert volunteer_status(tmp_path / "vol")["tiles"] > 0
+
+
+async def test_max_memory_too_small_is_refused_with_a_clear_message(tmp_path, job):
+    tiny = tilehive(
+        "volunteer",
+        "start",
+        "http://127.0.0.1:9",
+        "--max-memory",
+        "1",
+        "--state-dir",
+        str(tmp_path / "tiny"),
+    )
+    assert tiny.returncode == 1 and "Traceback" not in tiny.stderr
+    match = re.search(r"already uses (\d+) MB", tiny.stderr)
+    assert match, tiny.stderr
+    footprint = int(match.group(1))
+    # Each 256 x 8192 panel is 8 MB: a work unit needs about 17 MB, more than we allow.
+    process, url, _, _ = await job([(256, 256, 8192, False, False)], "--tile", "256")
+    volunteer = start_volunteer(url, tmp_path / "vol", "--max-memory", str(footprint + 30))
+    try:
+        await wait_until(
+            lambda: "raise --max-memory" in volunteer_status(tmp_path / "vol").get("note", ""),
+            timeout=30,
+        )
+        assert volunteer.poll() is None  # still running, politely idle
+        assert volunteer_status(tmp_path / "vol")["tiles"] == 0
+    finally:
+        assert stop(volunteer) == 0
+    process.kill()
+
+
+async def test_peak_memory_computing_512_tiles_stays_under_max_memory(tmp_path, job):
+    process, url, products, output = await job(
+        [(1024, 1024, 512, False, False)], "--tile", "512", "--policy", "freivalds"
+    )
+    volunteer = start_volunteer(url, tmp_path / "vol", "--max-memory", "200")
+    try:
+        assert await asyncio.to_thread(process.wait, 120) == 0
+    finally:
+        assert stop(volunteer) == 0
+    expect_products(output, products)
+    status = volunteer_status(tmp_path / "vol")  # written last at exit
+    assert status["tiles"] == 4
+    assert status["peak_rss_mb"] < 200

@@ -1,0 +1,290 @@
+"""`tilehive volunteer start|stop|status`: the volunteer daemon's command line."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import select
+import signal
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import click
+
+from volunteer.daemon import NotEnoughMemory, Volunteer, VolunteerConfig, default_threads
+from volunteer.state import AlreadyRunning, StateDir, default_state_dir
+
+ENV_PREFIX = "TILEHIVE_"
+STARTUP_TIMEOUT = 60.0
+
+log = logging.getLogger("volunteer")
+
+
+def option(*names: str, **kwargs: Any):
+    """A click option that also reads TILEHIVE_<LONG_NAME> from the environment."""
+    long_name = max(names, key=len).lstrip("-")
+    kwargs.setdefault("envvar", ENV_PREFIX + long_name.upper().replace("-", "_"))
+    kwargs.setdefault("show_envvar", True)
+    return click.option(*names, **kwargs)
+
+
+state_dir_option = option(
+    "--state-dir",
+    type=click.Path(file_okay=False, path_type=Path),
+    default=default_state_dir,
+    show_default="$XDG_STATE_HOME/tilehive/volunteer",
+    help="Where the token, pid file, log and status live; one per volunteer.",
+)
+
+
+@click.group()
+def volunteer() -> None:
+    """Donate this machine's idle CPU to a tilehive project."""
+
+
+@volunteer.command()
+@click.argument("url", envvar="TILEHIVE_URL")
+@option("--daemon", is_flag=True, help="Detach and run in the background.")
+@option("--threads", type=click.IntRange(min=1), default=default_threads, show_default="cores - 1")
+@option(
+    "--max-memory",
+    type=click.IntRange(min=1),
+    default=200,
+    show_default=True,
+    help="Peak memory in MB; work that would not fit is refused.",
+)
+@option("--name", default=None, help="Shown in the coordinator's logs (default: hostname).")
+@state_dir_option
+@option("--idle-only", is_flag=True, help="Pause while other programs keep the CPU busy.")
+@option(
+    "--priority",
+    type=click.Choice(["low", "normal"]),
+    default="low",
+    show_default=True,
+    help="CPU priority; low is nice 19.",
+)
+@option(
+    "--max-backoff",
+    type=click.FloatRange(min=0.1),
+    default=60.0,
+    show_default=True,
+    help="Longest wait in seconds between retries when the coordinator is unreachable.",
+)
+def start(
+    url: str,
+    daemon: bool,
+    threads: int,
+    max_memory: int,
+    name: str | None,
+    state_dir: Path,
+    idle_only: bool,
+    priority: str,
+    max_backoff: float,
+) -> None:
+    """Pull work from the coordinator at URL, compute it and send it back."""
+    if not url.startswith(("http://", "https://")):
+        raise click.BadParameter(f"{url!r} is not an http:// or https:// URL", param_hint="URL")
+    config = VolunteerConfig(
+        url=url.rstrip("/"),
+        state_dir=state_dir,
+        threads=threads,
+        max_memory_mb=max_memory,
+        idle_only=idle_only,
+        low_priority=priority == "low",
+        max_backoff=max_backoff,
+        **({"name": name} if name else {}),
+    )
+    state = StateDir(state_dir)
+    pid = state.running_pid()
+    if pid is not None:
+        raise click.ClickException(
+            f"a volunteer (pid {pid}) already runs with state directory {state_dir}; "
+            "stop it first or use another --state-dir"
+        )
+    if daemon:
+        report = _daemonize(state)
+        _run(config, state, report)
+    else:
+        logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
+        _run(config, state, None)
+
+
+def _daemonize(state: StateDir) -> int:
+    """Detach (double fork, new session, no terminal). The parent waits for the daemon to
+    say it started and exits; the daemon returns the pipe on which to say so."""
+    read_end, write_end = os.pipe()
+    if os.fork() > 0:
+        os.close(write_end)
+        ready, _, _ = select.select([read_end], [], [], STARTUP_TIMEOUT)
+        message = os.read(read_end, 4096).decode() if ready else ""
+        with contextlib.suppress(ChildProcessError):
+            os.wait()
+        if message.startswith("ok "):
+            click.echo(f"volunteer started (pid {message.split()[1]}); log: {state.log_file}")
+            sys.exit(0)
+        click.echo(message or f"volunteer did not start; see {state.log_file}", err=True)
+        sys.exit(1)
+    os.close(read_end)
+    os.setsid()
+    if os.fork() > 0:
+        os._exit(0)
+    os.chdir("/")
+    os.umask(0o077)
+    devnull = os.open(os.devnull, os.O_RDWR)
+    log_fd = os.open(state.log_file, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+    os.dup2(devnull, 0)
+    os.dup2(log_fd, 1)
+    os.dup2(log_fd, 2)
+    os.close(devnull)
+    os.close(log_fd)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
+    return write_end
+
+
+def _run(config: VolunteerConfig, state: StateDir, report: int | None) -> None:
+    def fail(message: str) -> None:
+        log.error(message)
+        if report is not None:
+            os.write(report, f"error: {message}".encode())
+        raise click.ClickException(message) if report is None else SystemExit(1)
+
+    try:
+        lock = state.lock()
+    except AlreadyRunning as exc:
+        fail(str(exc))
+        return
+    try:
+        worker = Volunteer(config)
+        try:
+            worker.prepare()
+        except NotEnoughMemory as exc:
+            fail(str(exc))
+            return
+        if report is not None:
+            os.write(report, f"ok {os.getpid()}".encode())
+            os.close(report)
+        asyncio.run(_serve(worker, state, interactive=report is None and sys.stdout.isatty()))
+    finally:
+        state.release(lock)
+
+
+async def _serve(worker: Volunteer, state: StateDir, interactive: bool) -> None:
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    reporter = asyncio.create_task(_report_status(worker, state, stop, interactive))
+    try:
+        await worker.run(stop)
+    finally:
+        stop.set()
+        await reporter
+        state.write_status(worker.status())
+        if interactive:
+            click.echo()
+        log.info("volunteer stopped after %d tiles", worker.stats.tiles)
+
+
+async def _report_status(worker: Volunteer, state: StateDir, stop: asyncio.Event, live: bool):
+    """Write status.json every second; in a terminal, also redraw one status line."""
+    last_line = 0.0
+    while not stop.is_set():
+        status = worker.status()
+        state.write_status(status)
+        line = status_line(status)
+        if live:
+            click.echo("\r" + line.ljust(110)[:110], nl=False)
+        elif time.monotonic() - last_line > 30:
+            log.info(line)
+            last_line = time.monotonic()
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(stop.wait(), timeout=1.0)
+
+
+def status_line(s: dict[str, Any]) -> str:
+    backoff = f" backoff {s['backoff']:.0f}s" if s["backoff"] else ""
+    return (
+        f"{s['state']}: {s['tiles']} tiles, {s['gflops']:.1f} GFLOPS, "
+        f"{s['mb_down']:.1f} MB down / {s['mb_up']:.1f} MB up, "
+        f"cache hits {100 * s['cache_hit_rate']:.0f}%{backoff}"
+        + (f" | {s['note']}" if s.get("note") else "")
+    )
+
+
+@volunteer.command()
+@state_dir_option
+@option(
+    "--timeout",
+    type=click.FloatRange(min=0),
+    default=30.0,
+    show_default=True,
+    help="Seconds to wait for a graceful stop before killing.",
+)
+def stop(state_dir: Path, timeout: float) -> None:
+    """Stop the volunteer of this state directory: the current tile is finished or
+    abandoned and reported."""
+    state = StateDir(state_dir)
+    pid = state.running_pid()
+    if pid is None:
+        click.echo(f"no volunteer is running with state directory {state_dir}")
+        return
+    with contextlib.suppress(ProcessLookupError):
+        os.kill(pid, signal.SIGTERM)
+    deadline = time.monotonic() + timeout
+    while (alive(pid) or state.running_pid() is not None) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    if alive(pid):
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+        while alive(pid):
+            time.sleep(0.05)
+        state.running_pid()  # removes the now stale pid file
+        click.echo(f"volunteer (pid {pid}) did not stop in {timeout:.0f}s and was killed")
+        return
+    click.echo(f"volunteer stopped (pid {pid})")
+
+
+def alive(pid: int) -> bool:
+    """True while the process exists and is not a zombie waiting to be reaped."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+    except OSError:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return False
+        return True
+
+
+@volunteer.command()
+@state_dir_option
+@option("--json", "as_json", is_flag=True, help="Print the status as JSON.")
+def status(state_dir: Path, as_json: bool) -> None:
+    """Show whether the volunteer runs and what it has done. Exits 3 when it does not run."""
+    import json
+
+    state = StateDir(state_dir)
+    pid = state.running_pid()
+    saved = state.read_status()
+    if as_json:
+        click.echo(json.dumps({"running": pid is not None, **(saved or {})}))
+    elif pid is None:
+        click.echo(f"not running (state directory {state_dir})")
+    else:
+        click.echo(f"running (pid {pid}) against {saved['url'] if saved else '?'}")
+        if saved:
+            click.echo(status_line(saved))
+            click.echo(
+                f"peak memory {saved['peak_rss_mb']:.0f} of {saved['max_memory_mb']} MB, "
+                f"{saved['threads']} threads, {saved['errors']} errors, "
+                f"{saved['refused']} refused, {saved['aborted']} aborted"
+            )
+    if pid is None:
+        sys.exit(3)
