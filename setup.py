@@ -23,6 +23,13 @@ extensions = [
         extra_compile_args=DETERMINISTIC_CFLAGS,
         define_macros=[("NPY_NO_DEPRECATED_API", "NPY_1_7_API_VERSION")],
     ),
+    Extension(
+        "validation._probe",
+        ["validation/_probe.pyx", "validation/probe_impl.c"],
+        include_dirs=["validation", numpy.get_include()],
+        extra_compile_args=DETERMINISTIC_CFLAGS,
+        define_macros=[("NPY_NO_DEPRECATED_API", "NPY_1_7_API_VERSION")],
+    ),
 ]
 
 setup(ext_modules=cythonize(extensions, language_level=3))
