@@ -63,7 +63,7 @@ class CoordinatorConfig:
     policy: Policy = Policy.QUORUM
     redundancy: Redundancy = field(default_factory=Redundancy)
     tile: int = 128
-    freivalds_rounds: int = 16
+    freivalds_rounds: int = 8
     tail_fraction: float = 0.9  # share of a GEMM's tiles done before spares are issued
     max_blob_bytes: int = 64 << 20
     max_report_bytes: int = 96 << 20
