@@ -69,6 +69,7 @@ class CoordinatorConfig:
     max_report_bytes: int = 96 << 20
     max_request_bytes: int = 1 << 20
     reply_ttl: float = 3600.0
+    long_poll: float = 2.0  # seconds a work request may wait for work to appear
     no_work_delay: float = 1.0  # seconds a host is asked to wait when there is no work
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     trust: trust.TrustConfig = field(default_factory=trust.TrustConfig)
@@ -131,10 +132,26 @@ class Coordinator:
         self._checks: dict[str, validator.Check] = {}
         self._to_validate: set[str] = set()
         self._wake = asyncio.Event()
+        self._inflight: dict[tuple[int, str], asyncio.Future] = {}
+        # Resolved (and replaced) whenever unsent results appear: long polls wait on it.
+        self._work_signal: asyncio.Future | None = None
+        self.ledger.on_unsent = self._signal_work
         self._tasks: list[asyncio.Task] = []
-        self.stats = {"bytes_saved": 0, "tiles_in": 0, "work_requests": 0}
+        self.stats = {"bytes_saved": 0, "tiles_in": 0, "work_requests": 0, "invalid": 0}
+        self.training: dict = {}  # step, steps, loss: set by the training loop
 
     # ---- life cycle ----------------------------------------------------------------------
+
+    def _signal_work(self) -> None:
+        if self._work_signal is not None and not self._work_signal.done():
+            self._work_signal.set_result(None)
+        self._work_signal = None
+
+    @property
+    def work_signal(self) -> asyncio.Future:
+        if self._work_signal is None:
+            self._work_signal = asyncio.get_running_loop().create_future()
+        return self._work_signal
 
     async def start(self) -> None:
         await self.store.open()
@@ -199,9 +216,16 @@ class Coordinator:
         return self.ledger.hosts[host_id]
 
     async def request_work(self, host: Host, request: WorkRequest, now: float) -> bytes:
-        """The answer to a work request; a repeated request id gets the same bytes back."""
+        """The answer to a work request; a repeated request id gets the same bytes back.
+
+        With no work to give, the request waits (long poll) up to `long_poll` seconds for
+        work to appear, so volunteers pick up the next product of a step at once instead of
+        sleeping through it."""
         self.stats["work_requests"] += 1
+        key = (host.id, request.request_id)
         stored = self._replies.get(host.id, {}).get(request.request_id)
+        if stored is None and key in self._inflight:
+            return await asyncio.shield(self._inflight[key])
         if stored is None:
             stored = await self.store.reply(host.id, request.request_id)
         if stored is not None:
@@ -210,11 +234,35 @@ class Coordinator:
             raise Forbidden(
                 f"host {host.id} is quarantined after {host.invalid_count} invalid results"
             )
+        answer = asyncio.get_running_loop().create_future()
+        self._inflight[key] = answer
+        try:
+            body = await self._answer(host, request, now)
+            answer.set_result(body)
+            return body
+        except BaseException as exc:
+            answer.set_exception(exc)
+            answer.exception()  # retrieved: the caller re-raises it
+            raise
+        finally:
+            del self._inflight[key]
+
+    async def _answer(self, host: Host, request: WorkRequest, now: float) -> bytes:
         host = host.evolve(last_contact=now)
         if request.gflops:
             host = host.evolve(gflops=request.gflops)
         self.ledger.put_host(host)
         plan = self.scheduler.plan(host, request, now)
+        deadline = time.monotonic() + self.config.long_poll
+        while not plan.assignments and plan.room > 0 and request.wait:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                break
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(asyncio.shield(self.work_signal), remaining)
+            now = time.time()
+            host = self.ledger.hosts[host.id]
+            plan = self.scheduler.plan(host, request, now)
         self.ledger.log(plan.events)
         self.stats["bytes_saved"] += plan.bytes_saved
         assignments = [self._assignment_message(a.wu, a.result, now) for a in plan.assignments]
@@ -348,6 +396,19 @@ class Coordinator:
         self.ledger.touched.add(wu.id)
         return "late" if late else "accepted"
 
+    async def prune(self, through_step: int) -> int:
+        """Delete the blobs of GEMMs a checkpoint made useless; returns how many."""
+        await self.ledger.flush()
+        blobs = await self.store.prunable_blobs(through_step)
+
+        def delete() -> None:
+            for blob in blobs:
+                self.blobs.path(blob).unlink(missing_ok=True)
+                self.ledger.panel_bytes.pop(blob, None)
+
+        await asyncio.to_thread(delete)
+        return len(blobs)
+
     def status(self) -> dict:
         """A summary for operators and `tilehive status`."""
         ledger = self.ledger
@@ -357,6 +418,7 @@ class Coordinator:
             "results": _count(r.server_state.value for r in ledger.results.values()),
             "hosts": len(ledger.hosts),
             "hosts_quarantined": sum(1 for h in ledger.hosts.values() if h.quarantined),
+            "training": self.training,
             **self.stats,
         }
 
@@ -421,6 +483,8 @@ class Coordinator:
         decision = validator.decide(wu, results, self._checks, now)
         for result, valid in decision.verdicts:
             host = self.ledger.hosts.get(result.host_id)
+            if not valid:
+                self.stats["invalid"] += 1
             if host is not None:
                 update = trust.after_valid if valid else trust.after_invalid
                 changed = update(host, self.config.trust)

@@ -7,6 +7,7 @@ import asyncio
 import heapq
 import math
 from collections import defaultdict
+from collections.abc import Callable
 
 from coordinator.store import Batch, Event, Reply, Snapshot, Store
 from coordinator.workunits import (
@@ -49,6 +50,7 @@ class Ledger:
         self.touched: set[str] = set()
         self._batch = Batch()
         self._lock = asyncio.Lock()
+        self.on_unsent: Callable[[], None] | None = None  # new work for waiting hosts
 
     # ---- reading -------------------------------------------------------------------------
 
@@ -112,6 +114,8 @@ class Ledger:
             wu = self.wus[r.wu_id]
             self.unsent_by_panel[wu.a_panel][r.id] = None
             self.unsent_by_panel[wu.b_panel][r.id] = None
+            if self.on_unsent is not None:
+                self.on_unsent()
         elif r.server_state is ServerState.IN_PROGRESS and r.host_id is not None:
             self.in_progress_of[r.host_id][r.id] = None
 

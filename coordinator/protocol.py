@@ -167,6 +167,7 @@ class WorkRequest:
     cached: tuple[str, ...]
     in_progress: tuple[str, ...]
     gflops: float | None
+    wait: bool = True  # the host may be kept waiting (long poll) until work appears
 
 
 def parse_work_request(message: dict[str, Any]) -> WorkRequest:
@@ -183,6 +184,7 @@ def parse_work_request(message: dict[str, Any]) -> WorkRequest:
         cached=_ids(message, "cached", MAX_CACHED, is_blob_id),
         in_progress=_ids(message, "in_progress", MAX_IN_PROGRESS, is_result_id),
         gflops=None if gflops is None else float(gflops),
+        wait=_get(message, "wait", bool, True),
     )
 
 

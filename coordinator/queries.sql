@@ -31,7 +31,8 @@ VALUES (:id, :gemm_id, :step, :i0, :i1, :j0, :j1, :k, :a_panel, :b_panel, :trans
         :max_total_results, :delay_bound, :state, :canonical_result, :canonical_hash,
         :error_mask, :transition_time, :accelerated, :created)
 ON CONFLICT(id) DO UPDATE SET
-    target_nresults = excluded.target_nresults, state = excluded.state,
+    target_nresults = excluded.target_nresults, min_quorum = excluded.min_quorum,
+    state = excluded.state,
     canonical_result = excluded.canonical_result, canonical_hash = excluded.canonical_hash,
     error_mask = excluded.error_mask, transition_time = excluded.transition_time,
     accelerated = excluded.accelerated;
@@ -92,3 +93,24 @@ ORDER BY id LIMIT :limit;
 
 -- name: count_workunits_by_state
 SELECT state, COUNT(*) AS n FROM workunits GROUP BY state;
+
+-- name: select_blobs_through_step
+SELECT a_panel FROM workunits JOIN gemms ON workunits.gemm_id = gemms.id
+WHERE gemms.step <= :step AND gemms.state = 'done'
+UNION SELECT b_panel FROM workunits JOIN gemms ON workunits.gemm_id = gemms.id
+WHERE gemms.step <= :step AND gemms.state = 'done'
+UNION SELECT results.output_hash FROM results
+JOIN workunits ON results.wu_id = workunits.id JOIN gemms ON workunits.gemm_id = gemms.id
+WHERE gemms.step <= :step AND gemms.state = 'done' AND results.has_tile = 1;
+
+-- name: select_blobs_after_step
+SELECT a_panel FROM workunits JOIN gemms ON workunits.gemm_id = gemms.id
+WHERE gemms.step > :step OR gemms.state != 'done'
+UNION SELECT b_panel FROM workunits JOIN gemms ON workunits.gemm_id = gemms.id
+WHERE gemms.step > :step OR gemms.state != 'done'
+UNION SELECT results.output_hash FROM results
+JOIN workunits ON results.wu_id = workunits.id JOIN gemms ON workunits.gemm_id = gemms.id
+WHERE (gemms.step > :step OR gemms.state != 'done') AND results.has_tile = 1;
+
+-- name: mark_gemms_pruned
+UPDATE gemms SET state = 'pruned' WHERE step <= :step AND state = 'done';

@@ -116,6 +116,11 @@ class WorkQueue:
                 await self._publish(gemm, a, b)
             elif gemm.state is GemmState.FAILED:
                 raise GemmFailed(gemm.error)
+            elif gemm.state is GemmState.PRUNED:
+                raise GemmFailed(
+                    f"GEMM {gid[:12]} of step {step} was pruned after a later checkpoint; "
+                    "resume from that checkpoint"
+                )
             elif gid not in co.ledger.gemms:
                 # Finished before a restart: the tiles are committed blobs.
                 wus, _ = await co.store.gemm_work(gid)

@@ -54,6 +54,7 @@ class Plan:
     abort: list[str] = field(default_factory=list)
     bytes_saved: int = 0
     events: list[Event] = field(default_factory=list)
+    room: int = 0  # how many more results the host could take (capacity and quota)
     too_big: int = 0  # work units skipped because they need more memory than the host has
     smallest_need: int = 0  # bytes the smallest of those needs
 
@@ -115,6 +116,7 @@ class Scheduler:
         in_progress = len(ledger.in_progress_of.get(host.id, ()))
         # Resent work fills the host's capacity like new work does.
         room = min(request.capacity - len(plan.assignments), host.max_in_progress - in_progress)
+        plan.room = max(0, room)
         if room <= 0:
             return plan
         cached = set(request.cached)

@@ -119,5 +119,10 @@ class Store(abc.ABC):
     ) -> list[Event]: ...
 
     @abc.abstractmethod
+    async def prunable_blobs(self, through_step: int) -> set[str]:
+        """Blobs used only by finished GEMMs of steps <= through_step; marks those GEMMs
+        pruned (their records stay for the logs)."""
+
+    @abc.abstractmethod
     async def workunit_counts(self) -> dict[str, int]:
         """How many work units are in each state."""

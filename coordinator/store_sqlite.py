@@ -238,5 +238,11 @@ class SqliteStore(Store):
         )
         return [Event(**dict(r)) for r in rows]
 
+    async def prunable_blobs(self, through_step: int) -> set[str]:
+        old = {r[0] for r in await self._all("select_blobs_through_step", step=through_step)}
+        live = {r[0] for r in await self._all("select_blobs_after_step", step=through_step)}
+        await self.db.execute(self._sql["mark_gemms_pruned"], {"step": through_step})
+        return old - live
+
     async def workunit_counts(self) -> dict[str, int]:
         return {r["state"]: r["n"] for r in await self._all("count_workunits_by_state")}

@@ -28,6 +28,7 @@ class GemmState(enum.StrEnum):
     ACTIVE = "active"
     DONE = "done"
     FAILED = "failed"
+    PRUNED = "pruned"  # done, and its blobs deleted after a checkpoint made them useless
 
 
 class WuState(enum.StrEnum):

@@ -71,6 +71,13 @@ async def test_daemon_start_status_second_start_and_stop(tmp_path, job):
     )
     assert started.returncode == 0, started.stderr
     pid = int(re.search(r"pid (\d+)", started.stdout).group(1))
+    try:
+        await _check_daemon(state, url, pid, process, products, output)
+    finally:
+        tilehive("volunteer", "stop", "--state-dir", str(state))
+
+
+async def _check_daemon(state, url, pid, process, products, output) -> None:
     again = tilehive("volunteer", "start", url, "--daemon", "--state-dir", str(state))
     assert again.returncode != 0
     assert "already runs" in again.stderr and str(pid) in again.stderr

@@ -101,12 +101,14 @@ class CoordinatorClient:
         cached: list[str] | tuple[str, ...] = (),
         in_progress: list[str] | tuple[str, ...] = (),
         gflops: float | None = None,
+        wait: bool = True,
     ) -> dict[str, Any]:
         message: dict[str, Any] = {
             "request_id": request_id,
             "capacity": capacity,
             "cached": list(cached),
             "in_progress": list(in_progress),
+            "wait": wait,
         }
         if gflops is not None:
             message["gflops"] = gflops

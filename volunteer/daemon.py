@@ -115,7 +115,9 @@ class Volunteer:
         self.config = config
         self.state = StateDir(config.state_dir)
         self.stats = Stats()
-        self.backoff = Backoff(cap=config.max_backoff)
+        self.backoff = Backoff(cap=config.max_backoff)  # while the coordinator fails us
+        # While it has no work: its long poll already waited, so this stays short.
+        self.idle = Backoff(base=0.25, cap=min(config.max_backoff, 10.0))
         self.gflops = 0.0
         self.budget = 0  # bytes for work and cache under --max-memory
         self.cache = BlobCache(0)
@@ -234,6 +236,7 @@ class Volunteer:
                 cached=self.cache.ids()[:4096],
                 in_progress=self._in_progress(),
                 gflops=self.gflops,
+                wait=not self.queue,
             )
             self._take(client, reply)
             note = reply.get("note", "")
@@ -244,12 +247,13 @@ class Volunteer:
         if self.queue:
             self.stats.state = "working"
             self.backoff.reset()
+            self.idle.reset()
             await self._compute_next(client)
             if not self.queue or len(self.pending_reports) >= REPORT_BATCH:
                 await self._flush_reports(client)
         elif reply is not None and not reply["assignments"]:
             self.stats.state = "idle"
-            delay = self.backoff.next_delay(at_least=float(reply.get("delay", 0.0)))
+            delay = self.idle.next_delay(at_least=float(reply.get("delay", 0.0)))
             self.stats.note = f"no work; next ask in {delay:.1f}s"
             await _wait(stop, delay)
 
@@ -402,7 +406,7 @@ class Volunteer:
             "mb_up": round(s.bytes_up / MB, 2),
             "cache_hit_rate": round(self.cache.hit_rate, 3),
             "cache_mb": round(self.cache.bytes / MB, 2),
-            "backoff": round(self.backoff.current, 2),
+            "backoff": round(max(self.backoff.current, self.idle.current), 2),
             "errors": s.errors,
             "refused": s.refused,
             "aborted": s.aborted,

@@ -1,0 +1,86 @@
+"""`tilehive coordinator DIR`: serve the protocol and train the project with volunteers."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import signal
+import socket
+
+from coordinator.api import serve
+from coordinator.engine import Coordinator, CoordinatorConfig
+from coordinator.project import Project
+from coordinator.queue import WorkQueue
+from coordinator.trainer import StepReport, Trainer, VolunteerBackend
+
+log = logging.getLogger(__name__)
+
+
+def coordinator_config(project: Project) -> CoordinatorConfig:
+    work = project.work
+    return CoordinatorConfig(
+        directory=project.directory,
+        policy=project.policy,
+        redundancy=project.redundancy,
+        tile=work.tile,
+        freivalds_rounds=work.freivalds_rounds,
+        no_work_delay=0.25,
+    )
+
+
+def public_url(host: str, url: str) -> str:
+    """The URL to give volunteers: a wildcard bind is reachable under the machine's name."""
+    if host in ("0.0.0.0", "::", ""):
+        port = url.rsplit(":", 1)[1]
+        return f"http://{socket.gethostname()}:{port}"
+    return url
+
+
+async def host_project(project: Project, bind_host: str, port: int, keep_serving: bool) -> int:
+    """Serve and train until the project's steps are done; returns the exit code."""
+    coordinator = Coordinator(coordinator_config(project))
+    runner, url = await serve(coordinator, bind_host, port)
+    print(f"tilehive coordinator: volunteers connect to {public_url(bind_host, url)}", flush=True)
+    print(f"  e.g. tilehive volunteer start {public_url(bind_host, url)}", flush=True)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    steps = project.training.steps
+
+    def on_step(report: StepReport) -> None:
+        coordinator.training = {
+            "step": report.step,
+            "steps": steps,
+            "loss": report.loss,
+            "val_loss": report.val_loss,
+            "seconds": report.seconds,
+        }
+        val = f" val_loss {report.val_loss:.4f}" if report.val_loss is not None else ""
+        log.info(
+            "step %d/%d loss %.4f%s (%.2fs)", report.step, steps, report.loss, val, report.seconds
+        )
+
+    trainer = Trainer(project, VolunteerBackend(WorkQueue(coordinator)))
+    trainer.on_checkpoint = coordinator.prune
+    training = asyncio.create_task(trainer.run(on_step=on_step))
+    stopper = asyncio.create_task(stop.wait())
+    try:
+        await asyncio.wait({training, stopper}, return_when=asyncio.FIRST_COMPLETED)
+        if training.done():
+            training.result()
+            log.info("training done: %d steps; checkpoints in %s", steps, project.checkpoints)
+            coordinator.training["done"] = True
+            if keep_serving:
+                print(f"training done; still serving {url} (Ctrl-C to stop)", flush=True)
+                await stopper
+            return 0
+        training.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await training
+        print("stopped; run the same command again to resume from the last checkpoint")
+        return 130
+    finally:
+        stopper.cancel()
+        await runner.cleanup()

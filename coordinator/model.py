@@ -1,0 +1,258 @@
+"""tiny-gpt: a decoder-only transformer on bytes, forward and backward in numpy.
+
+Every linear layer's three products (X@W forward, dY@W^T and X^T@dY backward) go through
+`Backend.matmul`, which the coordinator turns into verified work units and `--local` runs
+in-process with the same kernel. The attention products (Q@K^T, A@V and their gradients) are
+small and per head; they run on the coordinator with `Backend.batched`. Everything else is
+elementwise numpy on the coordinator. Code is dtype-generic so the gradient check can run
+it in float64.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable
+from typing import Protocol
+
+import numpy as np
+
+from coordinator.project import ModelSettings
+
+VOCAB = 256  # bytes
+LN_EPS = 1e-5
+GELU_C = np.sqrt(2.0 / np.pi)
+
+Params = dict[str, np.ndarray]
+
+
+class Backend(Protocol):
+    """Where the products run."""
+
+    def matmul(
+        self, a: np.ndarray, b: np.ndarray, *, trans_a: bool, trans_b: bool, label: str
+    ) -> Awaitable[np.ndarray]: ...
+
+    def batched(
+        self, a: np.ndarray, b: np.ndarray, *, trans_a: bool = False, trans_b: bool = False
+    ) -> np.ndarray: ...
+
+
+def param_shapes(s: ModelSettings) -> dict[str, tuple[int, ...]]:
+    """Named parameters in a fixed order (checkpoints and updates follow it)."""
+    d = s.width
+    shapes: dict[str, tuple[int, ...]] = {"embed": (VOCAB, d), "position": (s.context, d)}
+    for i in range(s.layers):
+        p = f"block{i}."
+        shapes.update(
+            {
+                p + "ln1.g": (d,),
+                p + "ln1.b": (d,),
+                p + "attn.w_qkv": (d, 3 * d),
+                p + "attn.b_qkv": (3 * d,),
+                p + "attn.w_out": (d, d),
+                p + "attn.b_out": (d,),
+                p + "ln2.g": (d,),
+                p + "ln2.b": (d,),
+                p + "mlp.w_in": (d, 4 * d),
+                p + "mlp.b_in": (4 * d,),
+                p + "mlp.w_out": (4 * d, d),
+                p + "mlp.b_out": (d,),
+            }
+        )
+    shapes.update({"ln_f.g": (d,), "ln_f.b": (d,), "head.w": (d, VOCAB)})
+    return shapes
+
+
+def init_params(s: ModelSettings, seed: int) -> Params:
+    """GPT-2 style: N(0, 0.02) weights, residual projections scaled by 1/sqrt(2 layers)."""
+    rng = np.random.default_rng([seed, 0x7417])
+    params = {}
+    for name, shape in param_shapes(s).items():
+        if name.endswith(".g"):
+            value = np.ones(shape)
+        elif len(shape) == 1:
+            value = np.zeros(shape)
+        else:
+            std = 0.02 / np.sqrt(2 * s.layers) if name.endswith("w_out") else 0.02
+            value = rng.normal(0.0, std, size=shape)
+        params[name] = value.astype(np.float32)
+    return params
+
+
+def decays(name: str) -> bool:
+    """Weight decay applies to matrices, not to gains, biases or embeddings of positions."""
+    return name.endswith((".w_qkv", ".w_out", ".w_in", "head.w")) or name == "embed"
+
+
+# ---- layers: forward returns (output, cache); backward takes the cache -------------------
+
+
+def layernorm(x, g, b):
+    mu = x.mean(axis=-1, keepdims=True)
+    xc = x - mu
+    inv = 1.0 / np.sqrt((xc * xc).mean(axis=-1, keepdims=True) + x.dtype.type(LN_EPS))
+    xhat = xc * inv
+    return xhat * g + b, (xhat, inv, g)
+
+
+def layernorm_backward(dy, cache):
+    xhat, inv, g = cache
+    dg = (dy * xhat).sum(axis=0)
+    db = dy.sum(axis=0)
+    dxhat = dy * g
+    dx = inv * (
+        dxhat
+        - dxhat.mean(axis=-1, keepdims=True)
+        - xhat * (dxhat * xhat).mean(axis=-1, keepdims=True)
+    )
+    return dx, dg, db
+
+
+def gelu(x):
+    t = np.tanh(x.dtype.type(GELU_C) * (x + x.dtype.type(0.044715) * x**3))
+    return x.dtype.type(0.5) * x * (1 + t), (x, t)
+
+
+def gelu_backward(dy, cache):
+    x, t = cache
+    c, k = x.dtype.type(GELU_C), x.dtype.type(0.044715)
+    half = x.dtype.type(0.5)
+    return dy * (half * (1 + t) + half * x * (1 - t * t) * c * (1 + 3 * k * x * x))
+
+
+def softmax_rows(s):
+    e = np.exp(s - s.max(axis=-1, keepdims=True))
+    return e / e.sum(axis=-1, keepdims=True)
+
+
+class TinyGPT:
+    def __init__(self, settings: ModelSettings, backend: Backend) -> None:
+        self.s = settings
+        self.backend = backend
+
+    async def linear(self, x, w, b, label):
+        y = await self.backend.matmul(x, w, trans_a=False, trans_b=False, label=label + ".fwd")
+        return y + b if b is not None else y
+
+    async def linear_backward(self, x, w, dy, label):
+        """dX = dY @ W^T and dW = X^T @ dY are independent: both are in flight at once."""
+        dx, dw = await asyncio.gather(
+            self.backend.matmul(dy, w, trans_a=False, trans_b=True, label=label + ".dx"),
+            self.backend.matmul(x, dy, trans_a=True, trans_b=False, label=label + ".dw"),
+        )
+        return dx, dw, dy.sum(axis=0)
+
+    def attention(self, qkv, batch):
+        s, bmm = self.s, self.backend.batched
+        t, h, d = s.context, s.heads, s.width
+        dh = d // h
+        q, k, v = (
+            np.ascontiguousarray(
+                qkv[:, i * d : (i + 1) * d].reshape(batch, t, h, dh).transpose(0, 2, 1, 3)
+            ).reshape(batch * h, t, dh)
+            for i in range(3)
+        )
+        scale = qkv.dtype.type(1.0 / np.sqrt(dh))
+        scores = bmm(q, k, trans_b=True) * scale
+        future = np.triu(np.ones((t, t), dtype=bool), k=1)
+        scores = np.where(future, -np.inf, scores).astype(qkv.dtype)
+        att = softmax_rows(scores)
+        y = bmm(att, v)
+        y = y.reshape(batch, h, t, dh).transpose(0, 2, 1, 3).reshape(batch * t, d)
+        return np.ascontiguousarray(y), (q, k, v, att, scale)
+
+    def attention_backward(self, dy, cache, batch):
+        s, bmm = self.s, self.backend.batched
+        t, h, d = s.context, s.heads, s.width
+        dh = d // h
+        q, k, v, att, scale = cache
+        dy = np.ascontiguousarray(dy.reshape(batch, t, h, dh).transpose(0, 2, 1, 3)).reshape(
+            batch * h, t, dh
+        )
+        datt = bmm(dy, v, trans_b=True)
+        dv = bmm(att, dy, trans_a=True)
+        dscores = att * (datt - (datt * att).sum(axis=-1, keepdims=True)) * scale
+        dq = bmm(dscores, k)
+        dk = bmm(dscores, q, trans_a=True)
+        parts = [
+            x.reshape(batch, h, t, dh).transpose(0, 2, 1, 3).reshape(batch * t, d)
+            for x in (dq, dk, dv)
+        ]
+        return np.ascontiguousarray(np.concatenate(parts, axis=1))
+
+    async def forward(self, params: Params, tokens: np.ndarray):
+        """Logits for (batch, context) byte tokens, and what backward needs."""
+        batch, t = tokens.shape
+        x = params["embed"][tokens.ravel()] + np.tile(params["position"][:t], (batch, 1))
+        caches = []
+        for i in range(self.s.layers):
+            p = f"block{i}."
+            h1, ln1 = layernorm(x, params[p + "ln1.g"], params[p + "ln1.b"])
+            qkv = await self.linear(
+                h1, params[p + "attn.w_qkv"], params[p + "attn.b_qkv"], p + "qkv"
+            )
+            y, att = self.attention(qkv, batch)
+            x = x + await self.linear(
+                y, params[p + "attn.w_out"], params[p + "attn.b_out"], p + "proj"
+            )
+            h2, ln2 = layernorm(x, params[p + "ln2.g"], params[p + "ln2.b"])
+            u = await self.linear(h2, params[p + "mlp.w_in"], params[p + "mlp.b_in"], p + "fc")
+            a, act = gelu(u)
+            x = x + await self.linear(
+                a, params[p + "mlp.w_out"], params[p + "mlp.b_out"], p + "fc2"
+            )
+            caches.append((h1, ln1, att, y, h2, ln2, act, a))
+        hf, lnf = layernorm(x, params["ln_f.g"], params["ln_f.b"])
+        logits = await self.linear(hf, params["head.w"], None, "head")
+        return logits, (tokens, caches, hf, lnf)
+
+    @staticmethod
+    def cross_entropy(logits: np.ndarray, targets: np.ndarray):
+        """Mean negative log-likelihood, and its gradient with respect to the logits."""
+        n = logits.shape[0]
+        shifted = logits - logits.max(axis=-1, keepdims=True)
+        log_z = np.log(np.exp(shifted).sum(axis=-1, keepdims=True))
+        logp = shifted - log_z
+        rows = np.arange(n)
+        loss = -logp[rows, targets.ravel()].mean()
+        dlogits = np.exp(logp)
+        dlogits[rows, targets.ravel()] -= 1
+        return float(loss), dlogits / logits.dtype.type(n)
+
+    async def loss(self, params: Params, tokens: np.ndarray, targets: np.ndarray) -> float:
+        logits, _ = await self.forward(params, tokens)
+        return self.cross_entropy(logits, targets)[0]
+
+    async def loss_and_grads(self, params: Params, tokens, targets) -> tuple[float, Params]:
+        logits, (tokens, caches, hf, lnf) = await self.forward(params, tokens)
+        loss, dlogits = self.cross_entropy(logits, targets)
+        batch, t = tokens.shape
+        grads: Params = {}
+        dhf, grads["head.w"], _ = await self.linear_backward(hf, params["head.w"], dlogits, "head")
+        dx, grads["ln_f.g"], grads["ln_f.b"] = layernorm_backward(dhf, lnf)
+        for i in reversed(range(self.s.layers)):
+            p = f"block{i}."
+            h1, ln1, att, y, h2, ln2, act, a = caches[i]
+            da, grads[p + "mlp.w_out"], grads[p + "mlp.b_out"] = await self.linear_backward(
+                a, params[p + "mlp.w_out"], dx, p + "fc2"
+            )
+            du = gelu_backward(da, act)
+            dh2, grads[p + "mlp.w_in"], grads[p + "mlp.b_in"] = await self.linear_backward(
+                h2, params[p + "mlp.w_in"], du, p + "fc"
+            )
+            dln2, grads[p + "ln2.g"], grads[p + "ln2.b"] = layernorm_backward(dh2, ln2)
+            dx = dx + dln2
+            dy, grads[p + "attn.w_out"], grads[p + "attn.b_out"] = await self.linear_backward(
+                y, params[p + "attn.w_out"], dx, p + "proj"
+            )
+            dqkv = self.attention_backward(dy, att, batch)
+            dh1, grads[p + "attn.w_qkv"], grads[p + "attn.b_qkv"] = await self.linear_backward(
+                h1, params[p + "attn.w_qkv"], dqkv, p + "qkv"
+            )
+            dln1, grads[p + "ln1.g"], grads[p + "ln1.b"] = layernorm_backward(dh1, ln1)
+            dx = dx + dln1
+        grads["position"] = dx.reshape(batch, t, -1).sum(axis=0)
+        embed = np.zeros_like(params["embed"])
+        np.add.at(embed, tokens.ravel(), dx)
+        grads["embed"] = embed
+        return loss, {name: grads[name] for name in params}

@@ -1,0 +1,178 @@
+"""The training loop: batches, forward and backward through a Backend, AdamW, checkpoints.
+
+The same loop runs `tilehive train --local` (products in-process) and `tilehive coordinator`
+(products as verified work units); with the same project both write the same bits.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+import kernels
+from coordinator import checkpoints
+from coordinator.corpus import Corpus
+from coordinator.corpus import load as load_corpus
+from coordinator.model import Params, TinyGPT, init_params
+from coordinator.optimizer import AdamState, adamw_step, learning_rate
+from coordinator.project import Project
+from coordinator.queue import WorkQueue
+
+log = logging.getLogger(__name__)
+
+EVAL_BATCHES = 2
+
+
+def batched_gemm(a: np.ndarray, b: np.ndarray, *, trans_a=False, trans_b=False) -> np.ndarray:
+    """Per-batch products with the deterministic kernel (attention runs here, locally)."""
+    out = None
+    for i in range(a.shape[0]):
+        c = kernels.gemm(
+            np.ascontiguousarray(a[i]),
+            np.ascontiguousarray(b[i]),
+            trans_a=trans_a,
+            trans_b=trans_b,
+        )
+        if out is None:
+            out = np.empty((a.shape[0], *c.shape), np.float32)
+        out[i] = c
+    return out
+
+
+class LocalBackend:
+    """Every product in this process with kernels.gemm: the reference run."""
+
+    def __init__(self, threads: int = 1) -> None:
+        self.threads = threads
+
+    async def matmul(self, a, b, *, trans_a: bool, trans_b: bool, label: str) -> np.ndarray:
+        return kernels.gemm(
+            np.ascontiguousarray(a),
+            np.ascontiguousarray(b),
+            trans_a=trans_a,
+            trans_b=trans_b,
+            threads=self.threads,
+        )
+
+    batched = staticmethod(batched_gemm)
+
+
+class VolunteerBackend:
+    """Linear-layer products as work units for volunteers; attention locally."""
+
+    def __init__(self, queue: WorkQueue) -> None:
+        self.queue = queue
+        self.step = 0
+
+    async def matmul(self, a, b, *, trans_a: bool, trans_b: bool, label: str) -> np.ndarray:
+        return await self.queue.matmul(
+            np.ascontiguousarray(a, dtype=np.float32),
+            np.ascontiguousarray(b, dtype=np.float32),
+            trans_a=trans_a,
+            trans_b=trans_b,
+            step=self.step,
+            label=label,
+        )
+
+    batched = staticmethod(batched_gemm)
+
+
+@dataclass
+class StepReport:
+    step: int
+    steps: int
+    loss: float
+    lr: float
+    grad_norm: float
+    seconds: float
+    val_loss: float | None = None
+
+
+class Trainer:
+    def __init__(self, project: Project, backend, corpus: Corpus | None = None) -> None:
+        self.project = project
+        self.backend = backend
+        self.model = TinyGPT(project.model, backend)
+        self.corpus = corpus
+        self.metrics = project.directory / "train.jsonl"
+        # Called after each checkpoint with its step (the coordinator prunes old blobs).
+        self.on_checkpoint: Callable[[int], Awaitable[object]] | None = None
+
+    def _corpus(self) -> Corpus:
+        if self.corpus is None:
+            c = self.project.corpus
+            self.corpus = load_corpus(c.source, c.max_mb, c.validation_share)
+        return self.corpus
+
+    def resume(self) -> tuple[int, Params, AdamState]:
+        """The last checkpoint, or fresh weights at step 0."""
+        names = list(init_params(self.project.model, self.project.training.seed))
+        done = checkpoints.latest(self.project.checkpoints)
+        if done is None:
+            params = init_params(self.project.model, self.project.training.seed)
+            return 0, params, AdamState.zeros(params)
+        params, state = checkpoints.load(self.project.checkpoints, done, names)
+        return done, params, state
+
+    async def evaluate(self, params: Params, step: int) -> float:
+        """Validation loss on fixed held-out batches, computed locally (it changes no weight)."""
+        t = self.project.training
+        local = TinyGPT(self.project.model, LocalBackend())
+        losses = []
+        for i in range(EVAL_BATCHES):
+            x, y = self._corpus().batch(t.seed, i, t.batch_size, self.project.model.context, "val")
+            losses.append(await local.loss(params, x, y))
+        return float(np.mean(losses))
+
+    async def run(
+        self, until: int | None = None, on_step: Callable[[StepReport], None] | None = None
+    ) -> Params:
+        t, opt = self.project.training, self.project.optimizer
+        last = min(until or t.steps, t.steps)
+        step, params, state = self.resume()
+        corpus = self._corpus()
+        if step:
+            log.info("resuming after step %d from %s", step, self.project.checkpoints)
+        while step < last:
+            step += 1
+            started = time.perf_counter()
+            if hasattr(self.backend, "step"):
+                self.backend.step = step
+            x, y = corpus.batch(t.seed, step, t.batch_size, self.project.model.context)
+            loss, grads = await self.model.loss_and_grads(params, x, y)
+            lr = learning_rate(step, t.steps, opt)
+            params, state, norm = adamw_step(params, grads, state, lr, opt)
+            report = StepReport(step, t.steps, loss, lr, norm, time.perf_counter() - started)
+            if step % t.eval_every == 0 or step == t.steps:
+                report.val_loss = await self.evaluate(params, step)
+            if step % t.checkpoint_every == 0 or step == last:
+                await asyncio.to_thread(
+                    checkpoints.save, self.project.checkpoints, step, params, state
+                )
+                if self.on_checkpoint is not None:
+                    await self.on_checkpoint(step)
+            self._record(report)
+            if on_step:
+                on_step(report)
+        return params
+
+    def _record(self, r: StepReport) -> None:
+        line = {
+            "step": r.step,
+            "loss": r.loss,
+            "lr": r.lr,
+            "grad_norm": r.grad_norm,
+            "seconds": round(r.seconds, 4),
+            "time": time.time(),
+        }
+        if r.val_loss is not None:
+            line["val_loss"] = r.val_loss
+        with Path(self.metrics).open("a") as f:
+            f.write(json.dumps(line) + "\n")
