@@ -54,7 +54,14 @@ def _stop(process: subprocess.Popen, timeout: float = 15.0) -> None:
 
 def _summary(directory: Path) -> list[str]:
     with sqlite3.connect(f"file:{directory / 'state.db'}?mode=ro", uri=True) as db:
-        states = dict(db.execute("SELECT validate_state, COUNT(*) FROM results GROUP BY 1"))
+        states = dict(
+            db.execute(
+                "SELECT CASE WHEN outcome IN ('didnt_need', 'aborted') THEN 'not needed' "
+                "WHEN outcome IN ('client_error', 'no_reply') THEN 'failed' "
+                "WHEN validate_state = 'init' THEN 'pending' ELSE validate_state END, "
+                "COUNT(*) FROM results GROUP BY 1"
+            )
+        )
         hosts = db.execute(
             "SELECT name, valid_count, invalid_count, error_count FROM hosts ORDER BY id"
         ).fetchall()
@@ -67,6 +74,19 @@ def _summary(directory: Path) -> list[str]:
     for name, valid, invalid, errors in hosts:
         lines.append(f"  host {name}: {valid} valid, {invalid} invalid, {errors} errors")
     return lines
+
+
+def _busy_share(directory: Path, volunteers: int) -> float | None:
+    """Compute time over run time, summed over the volunteers (from their final status)."""
+    compute = uptime = 0.0
+    for i in range(volunteers):
+        try:
+            status = json.loads((directory / f"volunteer-{i}" / "status.json").read_text())
+        except (OSError, ValueError):
+            continue
+        compute += status.get("compute_seconds", 0.0)
+        uptime += status.get("uptime", 0.0)
+    return compute / uptime if uptime else None
 
 
 def run_demo(volunteers: int, steps: int, directory: Path | None, keep: bool) -> None:
@@ -124,6 +144,9 @@ def run_demo(volunteers: int, steps: int, directory: Path | None, keep: bool) ->
             _stop(child)
     for line in _summary(directory):
         click.echo(line)
+    busy = _busy_share(directory, volunteers)
+    if busy is not None:
+        click.echo(f"volunteers were computing {100 * busy:.0f}% of the time they ran")
     metrics = [json.loads(x) for x in (directory / "train.jsonl").read_text().splitlines()]
     click.echo(
         f"loss: {metrics[0]['loss']:.3f} at step 1 -> {metrics[-1]['loss']:.3f} at step "

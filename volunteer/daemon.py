@@ -128,6 +128,7 @@ class Volunteer:
         self._requests = itertools.count()
         self._session_id = secrets.token_hex(4)
         self._tile_flops = 0.0
+        self.started = time.monotonic()
 
     # ---- start -------------------------------------------------------------------------
 
@@ -410,6 +411,8 @@ class Volunteer:
             "errors": s.errors,
             "refused": s.refused,
             "aborted": s.aborted,
+            "compute_seconds": round(s.compute_seconds, 3),
+            "uptime": round(time.monotonic() - self.started, 3),
             "peak_rss_mb": round(peak_rss_mb(), 1),
             "max_memory_mb": self.config.max_memory_mb,
             "threads": self.config.threads,
