@@ -248,7 +248,8 @@ class Coordinator:
             del self._inflight[key]
 
     async def _answer(self, host: Host, request: WorkRequest, now: float) -> bytes:
-        host = host.evolve(last_contact=now)
+        # Re-read: the record may have changed while this request awaited the store.
+        host = self.ledger.hosts[host.id].evolve(last_contact=now)
         if request.gflops:
             host = host.evolve(gflops=request.gflops)
         self.ledger.put_host(host)

@@ -36,3 +36,13 @@ def operands(
 def bits(x: np.ndarray) -> np.ndarray:
     """The raw bit patterns of a float32 array, for bitwise comparisons."""
     return np.ascontiguousarray(x).view(np.uint32)
+
+
+@pytest.fixture
+def reaper():
+    """Register real processes with `reaper(popen)`; they are killed at the end of the test."""
+    from tests.procs import Reaper
+
+    keeper = Reaper()
+    yield keeper
+    keeper.reap()

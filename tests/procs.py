@@ -117,3 +117,20 @@ def stop(process: subprocess.Popen, timeout: float = 30) -> int:
     if process.poll() is None:
         process.send_signal(signal.SIGTERM)
     return process.wait(timeout)
+
+
+class Reaper:
+    """Kills every process it was given when the test ends, passed or failed."""
+
+    def __init__(self) -> None:
+        self.processes: list[subprocess.Popen] = []
+
+    def __call__(self, process: subprocess.Popen) -> subprocess.Popen:
+        self.processes.append(process)
+        return process
+
+    def reap(self) -> None:
+        for process in self.processes:
+            if process.poll() is None:
+                process.kill()
+            process.wait()

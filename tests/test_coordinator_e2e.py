@@ -23,6 +23,7 @@ TIMEOUT = 60
 @contextlib.asynccontextmanager
 async def running(tmp_path, **settings):
     settings.setdefault("no_work_delay", 0.05)
+    settings.setdefault("long_poll", 0.2)
     config = CoordinatorConfig(directory=tmp_path / "project", **settings)
     coordinator = Coordinator(config)
     runner, url = await serve(coordinator, "127.0.0.1", 0)
@@ -164,3 +165,22 @@ async def test_tail_acceleration_finishes_a_gemm_held_up_by_a_slow_host(tmp_path
         assert len(accelerated) == 1
         aborted = await co.store.events(kind="result", state="aborted")
         assert [e.result_id for e in aborted] == [held]
+
+
+async def test_a_waiting_work_request_gets_work_as_soon_as_it_is_published(tmp_path, rng):
+    async with (
+        running(tmp_path, tile=16, long_poll=30.0) as (co, queue, url),
+        CoordinatorClient(url) as client,
+    ):
+        await client.register("eager")
+        asking = asyncio.ensure_future(client.request_work("w1", capacity=1))
+        await wait_until(lambda: co._inflight)  # the request is waiting for work
+        a, b = operands(rng, 16, 16, 8, False, False)
+        product = asyncio.ensure_future(queue.matmul(a, b))
+        reply = await asyncio.wait_for(asking, timeout=10)  # far less than the 30 s poll
+        (assignment,) = reply["assignments"]
+        assert reply["delay"] == 0
+        busy = [assignment["result_id"]]
+        idle = await client.request_work("w2", capacity=0, in_progress=busy)
+        assert idle["assignments"] == []  # nothing asked for: answered at once
+        product.cancel()

@@ -17,14 +17,16 @@ from tests.volunteers import Behaviour, wait_until
 
 
 @pytest.mark.parametrize("policy", ["quorum", "freivalds"])
-async def test_a_coordinator_killed_mid_gemm_resumes_and_finishes_it_exactly(tmp_path, rng, policy):
+async def test_a_coordinator_killed_mid_gemm_resumes_and_finishes_it_exactly(
+    tmp_path, rng, policy, reaper
+):
     flags = [(False, False), (True, False)]
     products = [operands(rng, 80, 64, 40, ta, tb) for ta, tb in flags]
     npz = tmp_path / "operands.npz"
     save_operands(npz, [(a, b, *f) for (a, b), f in zip(products, flags, strict=True)])
     directory, output, port = tmp_path / "project", tmp_path / "out.npz", free_port()
     log = tmp_path / "coordinator.log"
-    first = start_job(directory, npz, output, port, log, "--policy", policy)
+    first = reaper(start_job(directory, npz, output, port, log, "--policy", policy))
     url = await url_of(first)
     assert url.startswith("http://"), log.read_text()
     slow = Behaviour(capacity=1, seconds_per_tile=0.02)
@@ -37,7 +39,7 @@ async def test_a_coordinator_killed_mid_gemm_resumes_and_finishes_it_exactly(tmp
         validated_before = {row[0] for row in committed(directory, query)}
         total = committed(directory, "SELECT COUNT(*) FROM workunits")[0][0]
         assert 8 <= len(validated_before) < total, "kill landed after the end"
-        second = start_job(directory, npz, output, port, log, "--policy", policy)
+        second = reaper(start_job(directory, npz, output, port, log, "--policy", policy))
         assert await url_of(second) == url, log.read_text()
         code = await crew.finish(asyncio.to_thread(second.wait, 120), timeout=120)
     assert code == 0, log.read_text()

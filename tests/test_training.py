@@ -119,12 +119,12 @@ def make_pair(tmp_path: Path, steps: int, **extra) -> tuple[Path, Path]:
 
 
 @pytest.mark.parametrize("tile", [16, 24])
-async def test_a_distributed_run_ends_bitwise_equal_to_the_local_one(tmp_path, tile):
+async def test_a_distributed_run_ends_bitwise_equal_to_the_local_one(tmp_path, tile, reaper):
     local, remote = make_pair(tmp_path, steps=3, **{"work.tile": tile})
     port = free_port()
-    coordinator = start_coordinator(remote, port, tmp_path / "coordinator.log")
+    coordinator = reaper(start_coordinator(remote, port, tmp_path / "coordinator.log"))
     url = f"http://127.0.0.1:{port}"
-    crew = [start_volunteer(url, tmp_path / f"v{i}") for i in range(3)]
+    crew = [reaper(start_volunteer(url, tmp_path / f"v{i}")) for i in range(3)]
     try:
         code = await asyncio.to_thread(coordinator.wait, 300)
     finally:
@@ -139,14 +139,14 @@ async def test_a_distributed_run_ends_bitwise_equal_to_the_local_one(tmp_path, t
     assert losses == reference
 
 
-async def test_a_coordinator_killed_mid_step_resumes_bitwise_equal(tmp_path):
+async def test_a_coordinator_killed_mid_step_resumes_bitwise_equal(tmp_path, reaper):
     local, remote = make_pair(tmp_path, steps=5, **{"training.checkpoint_every": 2})
     port = free_port()
     log = tmp_path / "coordinator.log"
     url = f"http://127.0.0.1:{port}"
-    crew = [start_volunteer(url, tmp_path / f"v{i}") for i in range(2)]
+    crew = [reaper(start_volunteer(url, tmp_path / f"v{i}")) for i in range(2)]
     try:
-        first = start_coordinator(remote, port, log)
+        first = reaper(start_coordinator(remote, port, log))
         metrics = remote / "train.jsonl"
         await wait_until(
             lambda: metrics.exists() and len(metrics.read_text().splitlines()) >= 3, timeout=120
@@ -154,7 +154,7 @@ async def test_a_coordinator_killed_mid_step_resumes_bitwise_equal(tmp_path):
         first.send_signal(signal.SIGKILL)
         first.wait()
         assert (remote / "checkpoints" / "step-000002.npz").exists()
-        second = start_coordinator(remote, port, log)
+        second = reaper(start_coordinator(remote, port, log))
         assert await asyncio.to_thread(second.wait, 300) == 0, log.read_text()[-3000:]
     finally:
         for volunteer in crew:

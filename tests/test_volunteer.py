@@ -50,7 +50,7 @@ def job(tmp_path, rng):
     for process in started:
         if process.poll() is None:
             process.kill()
-            process.wait()
+        process.wait()
 
 
 def expect_products(output, products) -> None:
@@ -97,7 +97,9 @@ async def _check_daemon(state, url, pid, process, products, output) -> None:
     assert after.returncode == 3 and "not running" in after.stdout
 
 
-async def test_a_volunteer_killed_with_sigkill_has_its_work_redone_by_another(tmp_path, job):
+async def test_a_volunteer_killed_with_sigkill_has_its_work_redone_by_another(
+    tmp_path, job, reaper
+):
     process, url, products, output = await job(
         [(512, 512, 64, False, True)],
         "--tile",
@@ -110,13 +112,13 @@ async def test_a_volunteer_killed_with_sigkill_has_its_work_redone_by_another(tm
     project = tmp_path / "project"
     held = "SELECT wu_id FROM results WHERE host_id = 1 AND server_state = 'in_progress'"
     done = "SELECT COUNT(*) FROM results WHERE host_id = 1 AND outcome = 'success'"
-    first = start_volunteer(url, tmp_path / "first")
+    first = reaper(start_volunteer(url, tmp_path / "first"))
     await wait_until(lambda: committed(project, done)[0][0] >= 20 and committed(project, held))
     first.send_signal(signal.SIGKILL)
     first.wait()
     lost = {w for (w,) in committed(project, held)}
     assert lost, "the killed volunteer held work"
-    second = start_volunteer(url, tmp_path / "second")
+    second = reaper(start_volunteer(url, tmp_path / "second"))
     try:
         assert await asyncio.to_thread(process.wait, 120) == 0
     finally:
@@ -132,7 +134,7 @@ async def test_a_volunteer_killed_with_sigkill_has_its_work_redone_by_another(tm
     assert lost <= {w for (w,) in redone}
 
 
-async def test_a_corrupt_blob_is_rejected_and_reported_never_computed(tmp_path, job):
+async def test_a_corrupt_blob_is_rejected_and_reported_never_computed(tmp_path, job, reaper):
     process, url, _, _ = await job([(64, 64, 32, False, False)], "--tile", "32")
     count = "SELECT COUNT(*) FROM workunits"
     await wait_until(lambda: committed(tmp_path / "project", count)[0][0] == 4)
@@ -143,7 +145,7 @@ async def test_a_corrupt_blob_is_rejected_and_reported_never_computed(tmp_path, 
     data = bytearray(bad.read_bytes())
     data[-1] ^= 0xFF
     bad.write_bytes(bytes(data))
-    volunteer = start_volunteer(url, tmp_path / "vol")
+    volunteer = reaper(start_volunteer(url, tmp_path / "vol"))
     project = tmp_path / "project"
     query = "SELECT error FROM results WHERE outcome = 'client_error'"
     try:
@@ -163,10 +165,12 @@ async def test_a_corrupt_blob_is_rejected_and_reported_never_computed(tmp_path, 
     process.kill()
 
 
-async def test_the_volunteer_backs_off_while_the_coordinator_is_down_then_resumes(tmp_path, job):
+async def test_the_volunteer_backs_off_while_the_coordinator_is_down_then_resumes(
+    tmp_path, job, reaper
+):
     port = free_port()
     url = f"http://127.0.0.1:{port}"
-    volunteer = start_volunteer(url, tmp_path / "vol")
+    volunteer = reaper(start_volunteer(url, tmp_path / "vol"))
     try:
         await wait_until(
             lambda: (
@@ -185,7 +189,7 @@ async def test_the_volunteer_backs_off_while_the_coordinator_is_down_then_resume
     assert volunteer_status(tmp_path / "vol")["tiles"] > 0
 
 
-async def test_max_memory_too_small_is_refused_with_a_clear_message(tmp_path, job):
+async def test_max_memory_too_small_is_refused_with_a_clear_message(tmp_path, job, reaper):
     tiny = tilehive(
         "volunteer",
         "start",
@@ -201,7 +205,7 @@ async def test_max_memory_too_small_is_refused_with_a_clear_message(tmp_path, jo
     footprint = int(match.group(1))
     # Each 256 x 8192 panel is 8 MB: a work unit needs about 17 MB, more than we allow.
     process, url, _, _ = await job([(256, 256, 8192, False, False)], "--tile", "256")
-    volunteer = start_volunteer(url, tmp_path / "vol", "--max-memory", str(footprint + 30))
+    volunteer = reaper(start_volunteer(url, tmp_path / "vol", "--max-memory", str(footprint + 30)))
     try:
         await wait_until(
             lambda: "raise --max-memory" in volunteer_status(tmp_path / "vol").get("note", ""),
@@ -214,11 +218,11 @@ async def test_max_memory_too_small_is_refused_with_a_clear_message(tmp_path, jo
     process.kill()
 
 
-async def test_peak_memory_computing_512_tiles_stays_under_max_memory(tmp_path, job):
+async def test_peak_memory_computing_512_tiles_stays_under_max_memory(tmp_path, job, reaper):
     process, url, products, output = await job(
         [(1024, 1024, 512, False, False)], "--tile", "512", "--policy", "freivalds"
     )
-    volunteer = start_volunteer(url, tmp_path / "vol", "--max-memory", "200")
+    volunteer = reaper(start_volunteer(url, tmp_path / "vol", "--max-memory", "200"))
     try:
         assert await asyncio.to_thread(process.wait, 120) == 0
     finally:
