@@ -32,7 +32,9 @@ from tests.volunteers import Behaviour, ScriptedVolunteer  # noqa: E402
 
 async def measure(hosts: int, tiles_per_side: int, tile: int, policy: Policy) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
-        config = CoordinatorConfig(directory=Path(tmp), tile=tile, policy=policy, no_work_delay=0.01)
+        config = CoordinatorConfig(
+            directory=Path(tmp), tile=tile, policy=policy, no_work_delay=0.01
+        )
         coordinator = Coordinator(config)
         runner, url = await serve(coordinator, "127.0.0.1", 0)
         rng = np.random.default_rng(0)
