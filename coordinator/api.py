@@ -7,8 +7,9 @@ import time
 from collections.abc import Awaitable, Callable
 
 from aiohttp import web
+from prometheus_client import CONTENT_TYPE_LATEST
 
-from coordinator import protocol
+from coordinator import dashboard, protocol
 from coordinator.engine import Coordinator
 from coordinator.protocol import NotFound, ProtocolError, TooLarge, UnsupportedMediaType
 from kernels import is_blob_id
@@ -57,6 +58,23 @@ async def errors(request: web.Request, handler: Handler) -> web.StreamResponse:
             )
             return error_response(exc.status, exc.reason.lower().replace(" ", "_"), exc.reason)
         raise
+
+
+@web.middleware
+async def measured(request: web.Request, handler: Handler) -> web.StreamResponse:
+    """Latency per endpoint and bytes in and out, for /metrics."""
+    started = time.perf_counter()
+    response = await handler(request)
+    metrics = request.app[COORDINATOR].metrics
+    route = request.match_info.route.resource
+    endpoint = route.canonical if route is not None else "other"
+    metrics.requests.labels(endpoint).observe(time.perf_counter() - started)
+    if request.content_length:
+        metrics.bytes.labels("in").inc(request.content_length)
+    size = response.content_length or getattr(response, "_blob_size", 0)
+    if size:
+        metrics.bytes.labels("out").inc(size)
+    return response
 
 
 async def read_body(request: web.Request, limit: int) -> dict:
@@ -113,7 +131,9 @@ async def blob(request: web.Request) -> web.StreamResponse:
     path = co.blobs.path(blob_id)
     if not path.is_file():
         raise NotFound(f"no blob {blob_id}")
-    return web.FileResponse(path, headers={"Content-Type": "application/octet-stream"})
+    response = web.FileResponse(path, headers={"Content-Type": "application/octet-stream"})
+    response._blob_size = path.stat().st_size  # FileResponse sets its length only when sent
+    return response
 
 
 async def status(request: web.Request) -> web.Response:
@@ -121,10 +141,23 @@ async def status(request: web.Request) -> web.Response:
     return web.json_response(co.status())
 
 
+async def metrics(request: web.Request) -> web.Response:
+    body = request.app[COORDINATOR].metrics.render()
+    return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
+
+
+async def dashboard_page(request: web.Request) -> web.Response:
+    co = request.app[COORDINATOR]
+    fragment = request.query.get("fragment") == "1"
+    html = await dashboard.render(co, fragment=fragment)
+    return web.Response(text=html, content_type="text/html")
+
+
 def create_app(coordinator: Coordinator) -> web.Application:
     """The aiohttp application; the coordinator starts and stops with it."""
     app = web.Application(
-        client_max_size=coordinator.config.max_report_bytes + (1 << 20), middlewares=[errors]
+        client_max_size=coordinator.config.max_report_bytes + (1 << 20),
+        middlewares=[errors, measured],
     )
     app[COORDINATOR] = coordinator
 
@@ -139,6 +172,8 @@ def create_app(coordinator: Coordinator) -> web.Application:
     app.router.add_post("/v1/results", report)
     app.router.add_get("/v1/blobs/{blob_id}", blob)
     app.router.add_get("/v1/status", status)
+    app.router.add_get("/metrics", metrics)
+    app.router.add_get("/", dashboard_page)
     return app
 
 

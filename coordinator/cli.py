@@ -16,7 +16,8 @@ from coordinator.project import MODELS, ProjectError
 from coordinator.project import create as create_project
 from coordinator.project import load as load_project
 from kernels import reference
-from volunteer.cli import option, volunteer
+from volunteer.cli import log_format_option, option, volunteer
+from volunteer.logsetup import configure as configure_logging
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
@@ -128,12 +129,6 @@ def _bind(value: str) -> tuple[str, int]:
     return host.strip("[]"), int(port)
 
 
-def _logging() -> None:
-    import logging
-
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
-
-
 @main.command()
 @click.argument("directory", type=click.Path(file_okay=False, path_type=Path))
 @option("--model", type=click.Choice(MODELS), default="tiny-gpt", show_default=True)
@@ -167,8 +162,9 @@ def init(directory: Path, model: str, corpus: str, seed, steps, tile) -> None:
 @click.argument("directory", type=click.Path(file_okay=False, path_type=Path))
 @option("--bind", default="0.0.0.0:8470", show_default=True, help="HOST:PORT to listen on.")
 @option("--keep-serving", is_flag=True, help="Keep the API up after the last step.")
+@log_format_option
 @_fail_on_project_error
-def coordinator_command(directory: Path, bind: str, keep_serving: bool) -> None:
+def coordinator_command(directory: Path, bind: str, keep_serving: bool, log_format: str) -> None:
     """Host the project in DIRECTORY: serve volunteers and train until its steps are done.
 
     A restarted coordinator resumes from the last checkpoint and the tiles already validated.
@@ -179,7 +175,7 @@ def coordinator_command(directory: Path, bind: str, keep_serving: bool) -> None:
 
     host, port = _bind(bind)
     project = load_project(directory)
-    _logging()
+    configure_logging(log_format)
     sys.exit(asyncio.run(host_project(project, host, port, keep_serving)))
 
 
@@ -247,6 +243,200 @@ def demo(volunteers: int, steps: int, directory: Path | None, keep: bool) -> Non
     from coordinator.demo import run_demo
 
     run_demo(volunteers, steps, directory, keep)
+
+
+@main.group()
+def logs() -> None:
+    """Task and validation logs of a project (works while its coordinator runs, or not)."""
+
+
+def _clock(t: float | None) -> str:
+    return time.strftime("%H:%M:%S", time.localtime(t)) if t else "-"
+
+
+def _view(directory: Path):
+    from coordinator.inspect import InspectError, ProjectView
+
+    try:
+        return ProjectView(directory)
+    except InspectError as exc:
+        raise click.ClickException(str(exc)) from exc
+
+
+def _since(value: str | None) -> float | None:
+    from coordinator.inspect import InspectError, parse_since
+
+    try:
+        return parse_since(value)
+    except InspectError as exc:
+        raise click.BadParameter(str(exc), param_hint="--since") from exc
+
+
+def _follow(view, kinds, after, emit, filters) -> None:
+    """Print new events as they are committed, until Ctrl-C."""
+    try:
+        while True:
+            for event in view.events(kinds=kinds, after=after, **filters):
+                emit(event)
+                after = event["id"]
+            time.sleep(0.3)
+    except KeyboardInterrupt:
+        pass
+
+
+def _event_line(e: dict) -> str:
+    where = f"step {e['step']} " if e.get("step") is not None else ""
+    wu = f"wu {e['wu_id'][:12]} " if e.get("wu_id") else ""
+    host = f"host {e['host'] or e['host_id']} " if e.get("host_id") is not None else ""
+    return f"{_clock(e['time'])} {where}{wu}{e['kind']} {e['state']} {host}| {e['message']}"
+
+
+log_filters = [
+    option("--step", type=click.IntRange(min=0), default=None, help="Only this step."),
+    option("--state", default=None, help="Only this state (e.g. assimilated, invalid)."),
+    option("--host", default=None, help="Only this host (id or name)."),
+    option("--since", default=None, help="Only since: 90s, 10m, 2h, 1d or an ISO time."),
+    option("--follow", "-f", is_flag=True, help="Keep printing new events as they happen."),
+    option("--json", "as_json", is_flag=True, help="One JSON object per line."),
+]
+
+
+def with_filters(fn):
+    for decorator in reversed(log_filters):
+        fn = decorator(fn)
+    return fn
+
+
+@logs.command("tasks")
+@click.argument("directory", type=click.Path(file_okay=False, path_type=Path))
+@with_filters
+@option(
+    "--limit",
+    type=click.IntRange(min=1),
+    default=200,
+    show_default=True,
+    help="The most recent work units to list.",
+)
+def logs_tasks(directory, step, state, host, since, follow, as_json, limit) -> None:
+    """Work units and their results: where each tile went and what became of it."""
+    import json
+
+    view = _view(directory)
+    start = view.last_event_id()
+    try:
+        rows = view.tasks(step=step, state=state, host=host, since=_since(since), limit=limit)
+    except ValueError as exc:
+        raise click.ClickException(str(exc)) from exc
+    if as_json:
+        for row in rows:
+            click.echo(json.dumps({"type": "task", **row}))
+    else:
+        click.echo(
+            f"{'WU':12}  {'STEP':>4}  {'GEMM':18} {'TILE':19} {'STATE':11} "
+            f"{'VALID':>5}  {'HOSTS':24} {'CREATED':8}  DONE"
+        )
+        for r in rows:
+            i0, i1, j0, j1 = r["tile"]
+            click.echo(
+                f"{r['wu'][:12]}  {r['step']:>4}  {r['gemm'][:18]:18} "
+                f"{f'[{i0}:{i1},{j0}:{j1}]':19} {r['state']:11} "
+                f"{r['valid']:>2}/{r['replicas']:<2}  {','.join(r['hosts'])[:24]:24} "
+                f"{_clock(r['created'])}  {_clock(r['finished'])}"
+            )
+    if follow:
+        emit = (
+            (lambda e: click.echo(json.dumps({"type": "event", **e})))
+            if as_json
+            else (lambda e: click.echo(_event_line(e)))
+        )
+        from coordinator.inspect import TASK_KINDS
+
+        filters = {"step": step, "state": state, "host": host, "since": None}
+        _follow(view, TASK_KINDS, start, emit, filters)
+
+
+@logs.command("validation")
+@click.argument("directory", type=click.Path(file_okay=False, path_type=Path))
+@with_filters
+def logs_validation(directory, step, state, host, since, follow, as_json) -> None:
+    """Every validation decision: method, outcome, the reason with its numbers, host trust."""
+    import json
+
+    view = _view(directory)
+    filters = {"step": step, "state": state, "host": host}
+    try:
+        events = view.events(kinds=("validation",), since=_since(since), **filters)
+    except ValueError as exc:
+        raise click.ClickException(str(exc)) from exc
+
+    def emit(e: dict) -> None:
+        if as_json:
+            click.echo(json.dumps(e))
+            return
+        trust = f"{e['trust_before']}->{e['trust_after']}" if "trust_before" in e else "-"
+        click.echo(
+            f"{_clock(e['time'])}  {e['step'] if e['step'] is not None else '-':>4}  "
+            f"{(e['wu_id'] or '')[:12]:12}  {str(e['host'] or '-')[:12]:12} "
+            f"{e.get('method', '-'):9} {e['state']:12} {trust:7} {e['message']}"
+        )
+
+    if not as_json:
+        click.echo(
+            f"{'TIME':8}  {'STEP':>4}  {'WU':12}  {'HOST':12} {'METHOD':9} "
+            f"{'OUTCOME':12} {'TRUST':7} REASON"
+        )
+    for event in events:
+        emit(event)
+    if follow:
+        after = events[-1]["id"] if events else view.last_event_id()
+        _follow(view, ("validation",), after, emit, filters)
+
+
+@main.command()
+@click.argument("target")
+@option("--json", "as_json", is_flag=True, help="Print the status as JSON.")
+def status(target: str, as_json: bool) -> None:
+    """How far training is: from a project directory, or a running coordinator's URL."""
+    import json
+    import urllib.request
+
+    if target.startswith(("http://", "https://")):
+        try:
+            with urllib.request.urlopen(target.rstrip("/") + "/v1/status", timeout=10) as reply:
+                summary = json.load(reply)
+        except OSError as exc:
+            raise click.ClickException(f"cannot reach {target}: {exc}") from exc
+        where = target
+    else:
+        view = _view(Path(target))
+        summary = view.status()
+        where = target
+    if as_json:
+        click.echo(json.dumps(summary))
+        return
+    for line in status_lines(where, summary):
+        click.echo(line)
+
+
+def status_lines(where: str, s: dict) -> list[str]:
+    t = s.get("training") or {}
+    steps = t.get("steps") or "?"
+    loss = f", loss {t['loss']:.4f}" if "loss" in t else ""
+    val = f" (validation {t['val_loss']:.4f})" if "val_loss" in t else ""
+    eta = t.get("eta_seconds")
+    done = t.get("step") == t.get("steps") and t.get("step")
+    hosts = s.get("host_states", {})
+    wus = ", ".join(f"{n} {k}" for k, n in sorted(s.get("workunits", {}).items())) or "none"
+    in_flight = s.get("results", {}).get("in_progress", 0)
+    return [
+        f"{where}: step {t.get('step', 0)} of {steps}{loss}{val}",
+        f"work units: {wus}; {in_flight} tiles in flight",
+        f"{s.get('tiles_per_second', 0):.1f} tiles/s over the last minute",
+        f"hosts: {hosts.get('active', 0)} active, {hosts.get('idle', 0)} idle, "
+        f"{hosts.get('quarantined', 0)} quarantined",
+        f"validation failures: {s.get('invalid', 0)} invalid results",
+        "ETA: done" if done else f"ETA: {int(eta)}s" if eta is not None else "ETA: unknown",
+    ]
 
 
 if __name__ == "__main__":

@@ -5,12 +5,14 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
+import json
 import logging
 import os
 import random
 import secrets
 import time
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -21,6 +23,7 @@ import kernels
 from coordinator import hosts as trust
 from coordinator.blobstore import BlobStore
 from coordinator.ledger import Ledger
+from coordinator.metrics import Metrics
 from coordinator.protocol import (
     BadRequest,
     Forbidden,
@@ -53,6 +56,7 @@ from validation import validator
 log = logging.getLogger(__name__)
 
 REPLIES_KEPT_PER_HOST = 16
+ACTIVE_WITHIN = 300.0  # seconds since its last contact for a host to count as active
 
 
 @dataclass(frozen=True, slots=True)
@@ -139,6 +143,9 @@ class Coordinator:
         self._tasks: list[asyncio.Task] = []
         self.stats = {"bytes_saved": 0, "tiles_in": 0, "work_requests": 0, "invalid": 0}
         self.training: dict = {}  # step, steps, loss: set by the training loop
+        self.history: list[dict] = []  # one entry per step: loss, val_loss, seconds
+        self.rates: deque[tuple[float, int]] = deque(maxlen=600)  # (time, tiles_in) samples
+        self.metrics = Metrics(self.status)
 
     # ---- life cycle ----------------------------------------------------------------------
 
@@ -379,6 +386,7 @@ class Coordinator:
             )
             self.ledger.put_host(trust.after_error(self.ledger.hosts[host.id], self.config.trust))
             self.ledger.log([_with(event, "client_error", f"host error: {entry.error}")])
+            self.metrics.results.labels("client_error").inc()
         else:
             self.ledger.put_result(
                 result.evolve(
@@ -390,6 +398,7 @@ class Coordinator:
                 )
             )
             self.stats["tiles_in"] += 1
+            self.metrics.results.labels("success").inc()
             what = "tile" if has_tile else "hash"
             message = f"{what} {entry.output_hash[:16]} in {entry.seconds:.2f}s"
             self.ledger.log([_with(event, "success", ("late " if late else "") + message)])
@@ -410,16 +419,52 @@ class Coordinator:
         await asyncio.to_thread(delete)
         return len(blobs)
 
+    def record_step(self, step: int, steps: int, loss: float, val_loss, seconds: float) -> None:
+        """What the training loop reports after each step (status, dashboard, metrics)."""
+        self.training = {"step": step, "steps": steps, "loss": loss, "seconds": seconds}
+        if val_loss is not None:
+            self.training["val_loss"] = val_loss
+        self.history.append(dict(self.training, time=time.time()))
+        self.metrics.loss.set(loss)
+        self.metrics.step.set(step)
+        self.metrics.steps.observe(seconds)
+
+    def tiles_per_second(self, window: float = 60.0) -> float:
+        """Tiles received per second over the last `window` seconds."""
+        now = time.time()
+        recent = [(t, n) for t, n in self.rates if t >= now - window]
+        recent.append((now, self.stats["tiles_in"]))
+        (t0, n0), (t1, n1) = recent[0], recent[-1]
+        return (n1 - n0) / (t1 - t0) if t1 > t0 else 0.0
+
+    def host_states(self, now: float | None = None) -> dict[str, int]:
+        now = time.time() if now is None else now
+        states = {"active": 0, "idle": 0, "quarantined": 0}
+        for host in self.ledger.hosts.values():
+            if host.quarantined:
+                states["quarantined"] += 1
+            elif now - host.last_contact < ACTIVE_WITHIN:
+                states["active"] += 1
+            else:
+                states["idle"] += 1
+        return states
+
     def status(self) -> dict:
-        """A summary for operators and `tilehive status`."""
+        """A summary for operators, `tilehive status URL` and the dashboard."""
         ledger = self.ledger
+        training = dict(self.training)
+        if training.get("step") and self.history:
+            per_step = sum(h["seconds"] for h in self.history[-10:]) / len(self.history[-10:])
+            training["eta_seconds"] = per_step * (training["steps"] - training["step"])
         return {
             "gemms_active": sum(1 for g in ledger.gemms.values() if g.state is GemmState.ACTIVE),
             "workunits": _count(wu.state.value for wu in ledger.wus.values()),
             "results": _count(r.server_state.value for r in ledger.results.values()),
             "hosts": len(ledger.hosts),
+            "host_states": self.host_states(),
             "hosts_quarantined": sum(1 for h in ledger.hosts.values() if h.quarantined),
-            "training": self.training,
+            "tiles_per_second": round(self.tiles_per_second(), 2),
+            "training": training,
             **self.stats,
         }
 
@@ -452,6 +497,8 @@ class Coordinator:
         for wu_id in sorted(self.ledger.pop_due(now)):
             self._transition(wu_id, now)
         self._accelerate_tails(now)
+        if not self.rates or now - self.rates[-1][0] >= 1.0:
+            self.rates.append((now, self.stats["tiles_in"]))
         await self.ledger.flush()
 
     def _transition(self, wu_id: str, now: float) -> None:
@@ -482,13 +529,17 @@ class Coordinator:
             if result.id not in self._checks:
                 self._checks[result.id] = await asyncio.to_thread(self._freivalds, wu, result)
         decision = validator.decide(wu, results, self._checks, now)
+        method = validation_method(wu)
+        trust_change: dict[str, tuple[int, int]] = {}
         for result, valid in decision.verdicts:
             host = self.ledger.hosts.get(result.host_id)
             if not valid:
                 self.stats["invalid"] += 1
+            self.metrics.validation(method, "valid" if valid else "invalid")
             if host is not None:
                 update = trust.after_valid if valid else trust.after_invalid
                 changed = update(host, self.config.trust)
+                trust_change[result.id] = (host.consecutive_valid, changed.consecutive_valid)
                 if changed.quarantined and not host.quarantined:
                     self.ledger.log(
                         [
@@ -507,7 +558,15 @@ class Coordinator:
             self.ledger.put_result(result)
         if decision.wu != wu:
             self.ledger.put_wu(decision.wu)
-        self.ledger.log(decision.events)
+        compared = sum(1 for r in results if r.outcome is Outcome.SUCCESS)
+        self.ledger.log(
+            [
+                _with_data(e, method, compared, trust_change.get(e.result_id))
+                if e.kind == "validation"
+                else e
+                for e in decision.events
+            ]
+        )
         self.ledger.touched.add(wu_id)
         if decision.decided:
             self._cancel_rest(decision.wu, now)
@@ -651,6 +710,18 @@ class Coordinator:
                         )
                     ]
                 )
+
+
+def validation_method(wu: WorkUnit) -> str:
+    """How this work unit is decided: a single replica is always checked by Freivalds."""
+    return Policy.FREIVALDS.value if wu.min_quorum <= 1 else wu.policy.value
+
+
+def _with_data(event: Event, method: str, compared: int, cv: tuple[int, int] | None) -> Event:
+    fields: dict = {"method": method, "compared": compared}
+    if cv is not None:
+        fields["trust_before"], fields["trust_after"] = cv
+    return dataclasses.replace(event, data=json.dumps(fields))
 
 
 def new_result_id() -> str:

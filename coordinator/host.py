@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
 import signal
 import socket
+from pathlib import Path
 
 from coordinator.api import serve
 from coordinator.engine import Coordinator, CoordinatorConfig
@@ -37,6 +39,14 @@ def public_url(host: str, url: str) -> str:
     return url
 
 
+def read_history(metrics: Path) -> list[dict]:
+    """Steps trained before a restart, for the dashboard's loss curve."""
+    try:
+        return [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()]
+    except (FileNotFoundError, json.JSONDecodeError):
+        return []
+
+
 async def host_project(project: Project, bind_host: str, port: int, keep_serving: bool) -> int:
     """Serve and train until the project's steps are done; returns the exit code."""
     coordinator = Coordinator(coordinator_config(project))
@@ -50,19 +60,14 @@ async def host_project(project: Project, bind_host: str, port: int, keep_serving
     steps = project.training.steps
 
     def on_step(report: StepReport) -> None:
-        coordinator.training = {
-            "step": report.step,
-            "steps": steps,
-            "loss": report.loss,
-            "val_loss": report.val_loss,
-            "seconds": report.seconds,
-        }
+        coordinator.record_step(report.step, steps, report.loss, report.val_loss, report.seconds)
         val = f" val_loss {report.val_loss:.4f}" if report.val_loss is not None else ""
         log.info(
             "step %d/%d loss %.4f%s (%.2fs)", report.step, steps, report.loss, val, report.seconds
         )
 
     trainer = Trainer(project, VolunteerBackend(WorkQueue(coordinator)))
+    coordinator.history = read_history(trainer.metrics)
     trainer.on_checkpoint = coordinator.prune
     training = asyncio.create_task(trainer.run(on_step=on_step))
     stopper = asyncio.create_task(stop.wait())

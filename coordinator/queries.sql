@@ -50,8 +50,8 @@ ON CONFLICT(id) DO UPDATE SET
     output_hash = excluded.output_hash, has_tile = excluded.has_tile, error = excluded.error;
 
 -- name: insert_event
-INSERT INTO events (time, kind, step, gemm_id, wu_id, result_id, host_id, state, message)
-VALUES (:time, :kind, :step, :gemm_id, :wu_id, :result_id, :host_id, :state, :message);
+INSERT INTO events (time, kind, step, gemm_id, wu_id, result_id, host_id, state, message, data)
+VALUES (:time, :kind, :step, :gemm_id, :wu_id, :result_id, :host_id, :state, :message, :data);
 
 -- name: insert_reply
 INSERT OR REPLACE INTO work_replies (host_id, request_id, time, body)
@@ -114,3 +114,6 @@ WHERE (gemms.step > :step OR gemms.state != 'done') AND results.has_tile = 1;
 
 -- name: mark_gemms_pruned
 UPDATE gemms SET state = 'pruned' WHERE step <= :step AND state = 'done';
+
+-- name: select_recent_events
+SELECT * FROM events WHERE kind = :kind AND state = :state ORDER BY id DESC LIMIT :limit;

@@ -27,6 +27,7 @@ class Event:
     result_id: str | None = None
     host_id: int | None = None
     id: int | None = None  # assigned by the store
+    data: str = ""  # JSON of structured fields (validation: method, trust before and after)
 
 
 @dataclass(frozen=True, slots=True)
@@ -122,6 +123,10 @@ class Store(abc.ABC):
     async def prunable_blobs(self, through_step: int) -> set[str]:
         """Blobs used only by finished GEMMs of steps <= through_step; marks those GEMMs
         pruned (their records stay for the logs)."""
+
+    @abc.abstractmethod
+    async def recent_events(self, kind: str, state: str, limit: int) -> list[Event]:
+        """The newest events of a kind and state, newest first."""
 
     @abc.abstractmethod
     async def workunit_counts(self) -> dict[str, int]:

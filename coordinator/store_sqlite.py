@@ -244,5 +244,9 @@ class SqliteStore(Store):
         await self.db.execute(self._sql["mark_gemms_pruned"], {"step": through_step})
         return old - live
 
+    async def recent_events(self, kind: str, state: str, limit: int) -> list[Event]:
+        rows = await self._all("select_recent_events", kind=kind, state=state, limit=limit)
+        return [Event(**dict(r)) for r in rows]
+
     async def workunit_counts(self) -> dict[str, int]:
         return {r["state"]: r["n"] for r in await self._all("count_workunits_by_state")}

@@ -16,6 +16,7 @@ from typing import Any
 import click
 
 from volunteer.daemon import NotEnoughMemory, Volunteer, VolunteerConfig, default_threads
+from volunteer.logsetup import configure as configure_logging
 from volunteer.state import AlreadyRunning, StateDir, default_state_dir
 
 ENV_PREFIX = "TILEHIVE_"
@@ -38,6 +39,15 @@ state_dir_option = option(
     default=default_state_dir,
     show_default="$XDG_STATE_HOME/tilehive/volunteer",
     help="Where the token, pid file, log and status live; one per volunteer.",
+)
+
+
+log_format_option = option(
+    "--log-format",
+    type=click.Choice(["text", "json"]),
+    default="text",
+    show_default=True,
+    help="json: one JSON object per log line, for machines.",
 )
 
 
@@ -74,6 +84,7 @@ def volunteer() -> None:
     show_default=True,
     help="Longest wait in seconds between retries when the coordinator is unreachable.",
 )
+@log_format_option
 def start(
     url: str,
     daemon: bool,
@@ -84,6 +95,7 @@ def start(
     idle_only: bool,
     priority: str,
     max_backoff: float,
+    log_format: str,
 ) -> None:
     """Pull work from the coordinator at URL, compute it and send it back."""
     if not url.startswith(("http://", "https://")):
@@ -106,14 +118,14 @@ def start(
             "stop it first or use another --state-dir"
         )
     if daemon:
-        report = _daemonize(state)
+        report = _daemonize(state, log_format)
         _run(config, state, report)
     else:
-        logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
+        configure_logging(log_format)
         _run(config, state, None)
 
 
-def _daemonize(state: StateDir) -> int:
+def _daemonize(state: StateDir, log_format: str) -> int:
     """Detach (double fork, new session, no terminal). The parent waits for the daemon to
     say it started and exits; the daemon returns the pipe on which to say so."""
     read_end, write_end = os.pipe()
@@ -141,7 +153,7 @@ def _daemonize(state: StateDir) -> int:
     os.dup2(log_fd, 2)
     os.close(devnull)
     os.close(log_fd)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
+    configure_logging(log_format)
     return write_end
 
 
