@@ -274,11 +274,13 @@ def _since(value: str | None) -> float | None:
 
 def _follow(view, kinds, after, emit, filters) -> None:
     """Print new events as they are committed, until Ctrl-C."""
+    click.echo("-- following new events; Ctrl-C to stop --", err=True)
     try:
         while True:
             for event in view.events(kinds=kinds, after=after, **filters):
                 emit(event)
                 after = event["id"]
+            sys.stdout.flush()  # a pipe is block-buffered; followers want lines now
             time.sleep(0.3)
     except KeyboardInterrupt:
         pass

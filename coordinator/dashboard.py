@@ -60,6 +60,11 @@ def chart(series: list[list[tuple[float, float]]], colors: list[str], label: str
     lines = [
         f'<polyline fill="none" stroke="{color}" stroke-width="2" '
         f'points="{" ".join(at(x, y) for x, y in s)}"/>'
+        + "".join(
+            f'<circle r="2.5" fill="{color}" cx="{at(x, y).split(",")[0]}" '
+            f'cy="{at(x, y).split(",")[1]}"/>'
+            for x, y in s
+        )
         for s, color in zip(series, colors, strict=True)
         if s
     ]

@@ -449,8 +449,16 @@ class Coordinator:
                 states["idle"] += 1
         return states
 
+    async def full_status(self) -> dict:
+        """status() with the counts of the whole project, finished products included."""
+        await self.ledger.flush()
+        summary = self.status()
+        summary["workunits"] = await self.store.workunit_counts()
+        summary["invalid"] = await self.store.invalid_count()
+        return summary
+
     def status(self) -> dict:
-        """A summary for operators, `tilehive status URL` and the dashboard."""
+        """A summary of what is in memory, for /metrics and the dashboard."""
         ledger = self.ledger
         training = dict(self.training)
         if training.get("step") and self.history:

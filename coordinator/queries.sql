@@ -117,3 +117,6 @@ UPDATE gemms SET state = 'pruned' WHERE step <= :step AND state = 'done';
 
 -- name: select_recent_events
 SELECT * FROM events WHERE kind = :kind AND state = :state ORDER BY id DESC LIMIT :limit;
+
+-- name: count_invalid_results
+SELECT COUNT(*) AS n FROM results WHERE validate_state = 'invalid';

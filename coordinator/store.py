@@ -131,3 +131,7 @@ class Store(abc.ABC):
     @abc.abstractmethod
     async def workunit_counts(self) -> dict[str, int]:
         """How many work units are in each state."""
+
+    @abc.abstractmethod
+    async def invalid_count(self) -> int:
+        """How many results were judged invalid, ever."""

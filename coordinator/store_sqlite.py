@@ -250,3 +250,6 @@ class SqliteStore(Store):
 
     async def workunit_counts(self) -> dict[str, int]:
         return {r["state"]: r["n"] for r in await self._all("count_workunits_by_state")}
+
+    async def invalid_count(self) -> int:
+        return (await self._all("count_invalid_results"))[0]["n"]

@@ -1,0 +1,205 @@
+"""Seeing what happens: logs tasks/validation, status, /metrics and the dashboard."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+import aiohttp
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from tests.conftest import operands
+from tests.procs import ENV, ROOT
+from tests.test_coordinator_e2e import running, volunteers
+from tests.volunteers import Behaviour, wait_until
+from volunteer.client import CoordinatorClient
+
+ARTIFACTS = ROOT / "test-artifacts"
+
+
+def tilehive(*args: str, timeout: float = 60) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "coordinator.cli", *args],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        env=ENV,
+        timeout=timeout,
+    )
+
+
+async def metric_values(url: str) -> dict[tuple, float]:
+    async with aiohttp.ClientSession() as session, session.get(url + "/metrics") as reply:
+        assert reply.status == 200
+        text = await reply.text()
+    values = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            values[(sample.name, tuple(sorted(sample.labels.items())))] = sample.value
+    return values
+
+
+@pytest.fixture
+async def worked(tmp_path, rng):
+    """A coordinator that computed two products with one liar among three volunteers."""
+    async with running(tmp_path, tile=16) as (co, queue, url):
+        before = await metric_values(url)
+        a, b = operands(rng, 48, 32, 16, False, False)
+        async with volunteers(url, [Behaviour(lie=True, capacity=3)]) as liar:
+            product = asyncio.ensure_future(queue.matmul(a, b, step=1, label="l0.fwd"))
+            await wait_until(lambda: liar[0].done >= 1)
+            async with volunteers(url, [Behaviour()] * 2) as crew:
+                await crew.finish(product)
+                c, d = operands(rng, 16, 16, 8, False, True)
+                await crew.finish(queue.matmul(c, d, trans_b=True, step=2, label="l0.dx"))
+        yield co, url, before, tmp_path / "project", liar[0]
+
+
+async def test_logs_validation_shows_the_forged_tile_with_its_reason(worked):
+    co, _, _, project, liar = worked
+    await co.ledger.flush()
+    result = tilehive("logs", "validation", str(project), "--host", str(liar.host_id), "--json")
+    assert result.returncode == 0, result.stderr
+    rows = [json.loads(line) for line in result.stdout.splitlines()]
+    invalid = [r for r in rows if r["state"] == "invalid"]
+    assert invalid and all(r["host_id"] == liar.host_id for r in rows)
+    assert all("hash mismatch" in r["message"] for r in invalid)
+    assert all(r["method"] == "quorum" and r["trust_after"] == 0 for r in invalid)
+    table = tilehive("logs", "validation", str(project), "--state", "invalid")
+    assert "hash mismatch" in table.stdout and "quorum" in table.stdout
+
+
+async def test_logs_tasks_lists_every_tile_and_filters(worked):
+    co, _, _, project, _ = worked
+    await co.ledger.flush()
+    every = tilehive("logs", "tasks", str(project), "--json")
+    rows = [json.loads(line) for line in every.stdout.splitlines()]
+    assert len(rows) == 3 * 2 + 1  # 48x32 in tiles of 16, then one 16x16 tile
+    assert {r["state"] for r in rows} == {"assimilated"}
+    step2 = tilehive("logs", "tasks", str(project), "--step", "2", "--json")
+    (only,) = [json.loads(line) for line in step2.stdout.splitlines()]
+    assert only["gemm"] == "l0.dx" and only["tile"] == [0, 16, 0, 16]
+    table = tilehive("logs", "tasks", str(project), "--state", "assimilated")
+    assert "l0.fwd" in table.stdout and "[0:16,0:16]" in table.stdout
+    bad = tilehive("logs", "tasks", str(project), "--since", "yesterday-ish")
+    assert bad.returncode == 2 and "--since" in bad.stderr and "Traceback" not in bad.stderr
+
+
+async def test_logs_follow_shows_an_event_that_happens_after_it_started(tmp_path, rng):
+    async with running(tmp_path, tile=16) as (co, queue, url):
+        a, b = operands(rng, 16, 16, 8, False, False)
+        async with volunteers(url, [Behaviour()] * 2) as crew:
+            await crew.finish(queue.matmul(a, b, step=1, label="first"))
+            await co.ledger.flush()
+            command = ["logs", "tasks", str(tmp_path / "project"), "--follow", "--json"]
+            follower = subprocess.Popen(
+                [sys.executable, "-m", "coordinator.cli", *command, "--step", "7"],
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
+                cwd=ROOT,
+                env=ENV,
+            )
+            try:
+                ready = await asyncio.wait_for(asyncio.to_thread(follower.stderr.readline), 30)
+                assert "following new events" in ready
+                await crew.finish(queue.matmul(b, a, step=7, label="later"))
+                line = await asyncio.wait_for(asyncio.to_thread(follower.stdout.readline), 30)
+                event = json.loads(line)
+                assert event["type"] == "event" and event["step"] == 7
+                assert event["kind"] == "gemm" and "later" in event["message"]
+            finally:
+                follower.kill()
+                follower.wait()
+                follower.stdout.close()
+                follower.stderr.close()
+
+
+async def test_status_from_the_directory_and_from_the_url(worked):
+    co, url, _, project, _ = worked
+    await co.ledger.flush()
+    for target in (str(project), url):
+        # In a thread: the coordinator answering the URL runs on this event loop.
+        result = await asyncio.to_thread(tilehive, "status", target, "--json")
+        assert result.returncode == 0, result.stderr
+        summary = json.loads(result.stdout)
+        assert summary["workunits"] == {"assimilated": 7}
+        assert summary["host_states"]["quarantined"] + summary["host_states"]["active"] == 3
+    text = tilehive("status", str(project))
+    assert "validation failures" in text.stdout and "hosts:" in text.stdout
+    down = tilehive("status", "http://127.0.0.1:9")
+    assert down.returncode == 1 and "cannot reach" in down.stderr
+
+
+async def test_metrics_parse_and_move_during_a_run(worked):
+    _, url, before, _, _ = worked
+    after = await metric_values(url)
+    success = ("tilehive_results_reported_total", (("outcome", "success"),))
+    assert before.get(success, 0) == 0 and after[success] >= 7 * 2
+    invalid = ("tilehive_validations_total", (("method", "quorum"), ("outcome", "invalid")))
+    assert after[invalid] >= 1
+    assert after[("tilehive_bytes_total", (("direction", "in"),))] > 0
+    assert after[("tilehive_hosts", (("state", "active"),))] >= 2
+    assert any(name == "tilehive_request_seconds_count" for name, _ in after)
+
+
+@pytest.mark.skipif(shutil.which("chromium") is None, reason="Debian's chromium not installed")
+async def test_the_dashboard_renders_in_a_real_browser(worked, tmp_path):
+    co, url, _, _, _ = worked
+    co.record_step(1, 3, 5.5, None, 0.5)
+    co.record_step(2, 3, 4.9, 4.8, 0.4)
+    ARTIFACTS.mkdir(exist_ok=True)
+    shot = ARTIFACTS / "dashboard.png"
+    common = [
+        "chromium",
+        "--headless",
+        "--no-sandbox",
+        "--disable-gpu",
+        "--disable-quic",
+        "--no-first-run",
+        "--disable-background-networking",
+        "--disable-component-update",
+        "--disable-sync",
+        f"--user-data-dir={tmp_path / 'chrome'}",
+        "--enable-logging=stderr",
+        "--v=0",
+        "--window-size=1200,1000",
+    ]
+    dom = await asyncio.to_thread(
+        subprocess.run,
+        [*common, "--dump-dom", url + "/"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert dom.returncode == 0, dom.stderr[-2000:]
+    assert "step <b>2</b> of 3" in dom.stdout
+    assert 'aria-label="loss curve"' in dom.stdout and "<polyline" in dom.stdout
+    assert 'id="hosts"' in dom.stdout and "v0" in dom.stdout
+    console_errors = [
+        line for line in dom.stderr.splitlines() if "CONSOLE" in line and "ERROR" in line
+    ]
+    assert console_errors == []
+    picture = await asyncio.to_thread(
+        subprocess.run,
+        [*common, f"--screenshot={shot}", url + "/"],
+        capture_output=True,
+        timeout=120,
+    )
+    assert picture.returncode == 0 and shot.stat().st_size > 1000
+    os.environ.get("CI") and print(f"dashboard screenshot: {shot}")
+
+
+async def test_the_dashboard_escapes_what_volunteers_send(worked):
+    _, url, _, _, _ = worked
+    async with CoordinatorClient(url) as client:
+        await client.register("<script>alert(1)</script>")
+    async with aiohttp.ClientSession() as session, session.get(url + "/") as reply:
+        page = await reply.text()
+    assert "&lt;script&gt;alert(1)&lt;/script&gt;" in page
+    assert "<script>alert(1)" not in page
