@@ -52,9 +52,9 @@ class Crew(list):
 
 
 @contextlib.asynccontextmanager
-async def volunteers(url, behaviours):
+async def volunteers(url, behaviours, prefix: str = "v"):
     stop = asyncio.Event()
-    crew = Crew(ScriptedVolunteer(url, f"v{i}", b) for i, b in enumerate(behaviours))
+    crew = Crew(ScriptedVolunteer(url, f"{prefix}{i}", b) for i, b in enumerate(behaviours))
     crew.tasks = [asyncio.create_task(v.run(stop)) for v in crew]
     try:
         yield crew
