@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import re
 import signal
 
@@ -31,7 +32,7 @@ def job(tmp_path, rng):
     """Start a coordinator process computing products; yields a starter, kills leftovers."""
     started = []
 
-    async def start(shapes, *options, port=None):
+    async def start(shapes, *options, port=None, project="project"):
         products = []
         for m, n, k, ta, tb in shapes:
             products.append((*operands(rng, m, n, k, ta, tb), ta, tb))
@@ -39,7 +40,7 @@ def job(tmp_path, rng):
         save_operands(npz, products)
         port = port or free_port()
         process = start_job(
-            tmp_path / "project", npz, output, port, tmp_path / "coordinator.log", *options
+            tmp_path / project, npz, output, port, tmp_path / "coordinator.log", *options
         )
         started.append(process)
         url = await url_of(process)
@@ -231,3 +232,31 @@ async def test_peak_memory_computing_512_tiles_stays_under_max_memory(tmp_path, 
     status = volunteer_status(tmp_path / "vol")  # written last at exit
     assert status["tiles"] == 4
     assert status["peak_rss_mb"] < 200
+
+
+async def test_a_volunteer_unknown_to_a_new_coordinator_registers_again(tmp_path, job, reaper):
+    port = free_port()
+    first, url, _, _ = await job(
+        [(32, 32, 16, False, False)], "--tile", "16", "--policy", "freivalds", port=port
+    )
+    volunteer = reaper(start_volunteer(url, tmp_path / "vol"))
+    try:
+        assert await asyncio.to_thread(first.wait, 60) == 0
+        old = json.loads((tmp_path / "vol" / "identity.json").read_text())
+        # A new project at the same address has never heard of this host's token.
+        second, _, products, output = await job(
+            [(48, 32, 16, False, False)],
+            "--tile",
+            "16",
+            "--policy",
+            "freivalds",
+            port=port,
+            project="another",
+        )
+        assert await asyncio.to_thread(second.wait, 60) == 0
+        expect_products(output, products)
+    finally:
+        assert stop(volunteer) == 0
+    new = json.loads((tmp_path / "vol" / "identity.json").read_text())
+    assert new["token"] != old["token"]
+    assert "registering again" in (tmp_path / "vol" / "out").read_text()

@@ -202,13 +202,16 @@ class Volunteer:
         self.state.save_identity(self.config.url, host_id, client.token, self.config.name)
         log.info("registered with %s as host %d", self.config.url, host_id)
 
-    async def _refused(self, exc: ServerRefused, stop: asyncio.Event) -> None:
+    async def _refused(
+        self, client: CoordinatorClient, exc: ServerRefused, stop: asyncio.Event
+    ) -> None:
         self.stats.errors += 1
         if exc.status == 401:
             log.warning(
                 "the coordinator does not know our token (%s); registering again", exc.message
             )
             self.state.identity_file.unlink(missing_ok=True)
+            client.token = None
             return
         if exc.status == 403:
             self.stats.state = "refused"
