@@ -11,6 +11,25 @@ import numpy as np
 from kernels import blob_id, decode_array, encode_array, is_blob_id, verify_blob
 
 
+def write_atomic(path: Path, data: bytes | memoryview) -> None:
+    """After a crash the file is whole or absent: temp file, fsync, rename, fsync the dir."""
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".tmp-")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    dir_fd = os.open(path.parent, os.O_RDONLY)
+    try:
+        os.fsync(dir_fd)
+    finally:
+        os.close(dir_fd)
+
+
 class BlobNotFound(KeyError):
     """No blob with this id is stored."""
 
@@ -54,21 +73,7 @@ class BlobStore:
         if final.is_file():
             return expected
         final.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=final.parent, prefix=".tmp-")
-        try:
-            with os.fdopen(fd, "wb") as f:
-                f.write(data)
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(tmp, final)
-        except BaseException:
-            Path(tmp).unlink(missing_ok=True)
-            raise
-        dir_fd = os.open(final.parent, os.O_RDONLY)
-        try:
-            os.fsync(dir_fd)
-        finally:
-            os.close(dir_fd)
+        write_atomic(final, data)
         return expected
 
     def put_array(self, array: np.ndarray) -> str:

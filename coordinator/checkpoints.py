@@ -4,13 +4,12 @@ optimizer state beside it in step-NNNNNN.opt.npz, each written atomically."""
 from __future__ import annotations
 
 import io
-import os
 import re
-import tempfile
 from pathlib import Path
 
 import numpy as np
 
+from coordinator.blobstore import write_atomic
 from coordinator.model import Params
 from coordinator.optimizer import AdamState
 
@@ -24,21 +23,7 @@ def path(directory: Path, step: int) -> Path:
 def _write_atomic(target: Path, arrays: dict[str, np.ndarray]) -> None:
     buffer = io.BytesIO()
     np.savez(buffer, **arrays)
-    fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=".tmp-")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(buffer.getbuffer())
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, target)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-    dir_fd = os.open(target.parent, os.O_RDONLY)
-    try:
-        os.fsync(dir_fd)
-    finally:
-        os.close(dir_fd)
+    write_atomic(target, buffer.getbuffer())
 
 
 def save(directory: Path, step: int, params: Params, state: AdamState) -> Path:

@@ -18,7 +18,7 @@ from coordinator.workunits import (
     WuState,
     gemm_id,
     tile_bounds,
-    workunit_id,
+    tile_workunit,
 )
 from kernels.checks import check_gemm_args
 
@@ -173,41 +173,10 @@ class WorkQueue:
         red = redundancy_for(config.policy, config.redundancy)
         co.ledger.put_gemm(gemm)
         now = gemm.created
-        for i0, i1, j0, j1 in tile_bounds(gemm.m, gemm.n, gemm.tile):
-            a_panel, b_panel = row_ids[i0 // gemm.tile], col_ids[j0 // gemm.tile]
-            wu = WorkUnit(
-                id=workunit_id(
-                    gemm=gemm.id,
-                    step=gemm.step,
-                    bounds=(i0, i1, j0, j1),
-                    k=gemm.k,
-                    a_panel=a_panel,
-                    b_panel=b_panel,
-                    trans_a=gemm.trans_a,
-                    trans_b=gemm.trans_b,
-                    kernel_version=kernels.KERNEL_VERSION,
-                ),
-                gemm_id=gemm.id,
-                step=gemm.step,
-                i0=i0,
-                i1=i1,
-                j0=j0,
-                j1=j1,
-                k=gemm.k,
-                a_panel=a_panel,
-                b_panel=b_panel,
-                trans_a=gemm.trans_a,
-                trans_b=gemm.trans_b,
-                kernel_version=kernels.KERNEL_VERSION,
-                policy=config.policy,
-                target_nresults=red.target_nresults,
-                min_quorum=red.min_quorum,
-                max_error_results=red.max_error_results,
-                max_total_results=red.max_total_results,
-                delay_bound=red.delay_bound,
-                transition_time=float("inf"),
-                created=now,
-            )
+        for bounds in tile_bounds(gemm.m, gemm.n, gemm.tile):
+            a_panel = row_ids[bounds[0] // gemm.tile]
+            b_panel = col_ids[bounds[2] // gemm.tile]
+            wu = tile_workunit(gemm, bounds, a_panel, b_panel, red, kernels.KERNEL_VERSION)
             co.ledger.put_wu(wu)
             for _ in range(red.target_nresults):
                 co.ledger.put_result(Result(id=new_result_id(), wu_id=wu.id))

@@ -213,14 +213,4 @@ class Scheduler:
 
 
 def _event(wu: WorkUnit, result: Result | None, now: float, state: str, message: str) -> Event:
-    return Event(
-        time=now,
-        kind="result" if result else "wu",
-        state=state,
-        message=message,
-        step=wu.step,
-        gemm_id=wu.gemm_id,
-        wu_id=wu.id,
-        result_id=result.id if result else None,
-        host_id=result.host_id if result else None,
-    )
+    return Event.about(wu, now, state, message, result)

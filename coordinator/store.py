@@ -29,6 +29,21 @@ class Event:
     id: int | None = None  # assigned by the store
     data: str = ""  # JSON of structured fields (validation: method, trust before and after)
 
+    @classmethod
+    def about(cls, wu, now: float, state: str, message: str, result=None) -> Event:
+        """A line about a work unit, or about one of its results."""
+        return cls(
+            time=now,
+            kind="result" if result else "wu",
+            state=state,
+            message=message,
+            step=wu.step,
+            gemm_id=wu.gemm_id,
+            wu_id=wu.id,
+            result_id=result.id if result else None,
+            host_id=result.host_id if result else None,
+        )
+
 
 @dataclass(frozen=True, slots=True)
 class Reply:

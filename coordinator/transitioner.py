@@ -36,17 +36,7 @@ class Transition:
 
 
 def _event(wu: WorkUnit, now: float, state: str, message: str, result: Result | None = None):
-    return Event(
-        time=now,
-        kind="result" if result else "wu",
-        state=state,
-        message=message,
-        step=wu.step,
-        gemm_id=wu.gemm_id,
-        wu_id=wu.id,
-        result_id=result.id if result else None,
-        host_id=result.host_id if result else None,
-    )
+    return Event.about(wu, now, state, message, result)
 
 
 def counts(results: list[Result]) -> dict[str, int]:

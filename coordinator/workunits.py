@@ -270,3 +270,48 @@ def tile_bounds(m: int, n: int, tile: int) -> list[tuple[int, int, int, int]]:
         for i0 in range(0, m, tile)
         for j0 in range(0, n, tile)
     ]
+
+
+def tile_workunit(
+    gemm: Gemm,
+    bounds: tuple[int, int, int, int],
+    a_panel: str,
+    b_panel: str,
+    redundancy: Redundancy,
+    kernel_version: int,
+) -> WorkUnit:
+    """The work unit of one output tile of a GEMM, named by its content."""
+    i0, i1, j0, j1 = bounds
+    flags = {"trans_a": gemm.trans_a, "trans_b": gemm.trans_b}
+    wu_id = workunit_id(
+        gemm=gemm.id,
+        step=gemm.step,
+        bounds=bounds,
+        k=gemm.k,
+        a_panel=a_panel,
+        b_panel=b_panel,
+        kernel_version=kernel_version,
+        **flags,
+    )
+    return WorkUnit(
+        id=wu_id,
+        gemm_id=gemm.id,
+        step=gemm.step,
+        i0=i0,
+        i1=i1,
+        j0=j0,
+        j1=j1,
+        k=gemm.k,
+        a_panel=a_panel,
+        b_panel=b_panel,
+        kernel_version=kernel_version,
+        policy=gemm.policy,
+        target_nresults=redundancy.target_nresults,
+        min_quorum=redundancy.min_quorum,
+        max_error_results=redundancy.max_error_results,
+        max_total_results=redundancy.max_total_results,
+        delay_bound=redundancy.delay_bound,
+        transition_time=float("inf"),
+        created=gemm.created,
+        **flags,
+    )

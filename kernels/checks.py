@@ -5,7 +5,8 @@ from __future__ import annotations
 import numpy as np
 
 
-def _operand(name: str, x: object) -> np.ndarray:
+def check_matrix(name: str, x: object) -> np.ndarray:
+    """x itself if it is a C-contiguous float32 matrix; a ValueError naming `name` if not."""
     if not isinstance(x, np.ndarray):
         raise ValueError(f"{name} must be a numpy.ndarray, got {type(x).__name__}")
     if x.dtype != np.float32:
@@ -27,8 +28,8 @@ def check_gemm_args(
     a: object, b: object, trans_a: bool, trans_b: bool, out: object, threads: object
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Validate a gemm call and return (a, b, out), allocating out when it is None."""
-    a = _operand("a", a)
-    b = _operand("b", b)
+    a = check_matrix("a", a)
+    b = check_matrix("b", b)
     m, k = op_shape(a, bool(trans_a))
     k_b, n = op_shape(b, bool(trans_b))
     if k != k_b:

@@ -11,7 +11,7 @@ from functools import lru_cache
 import blake3
 import numpy as np
 
-from kernels.checks import op_shape
+from kernels.checks import check_matrix, op_shape
 from kernels.gemm import KERNEL_ENV
 
 try:
@@ -55,18 +55,6 @@ def use_reference() -> bool:
 def kernel_name() -> str:
     """The implementation the next check will use: "reference" or the compiled variant."""
     return "reference" if use_reference() else _probe.kernel_name()
-
-
-def _matrix(name: str, x: object) -> np.ndarray:
-    if not isinstance(x, np.ndarray):
-        raise ValueError(f"{name} must be a numpy.ndarray, got {type(x).__name__}")
-    if x.dtype != np.float32:
-        raise ValueError(f"{name} must have dtype float32, got {x.dtype}")
-    if x.ndim != 2:
-        raise ValueError(f"{name} must be 2-D, got {x.ndim}-D with shape {x.shape}")
-    if not x.flags.c_contiguous:
-        raise ValueError(f"{name} must be C-contiguous; pass np.ascontiguousarray({name})")
-    return x
 
 
 def _key(key: object) -> bytes:
@@ -154,7 +142,7 @@ def verify(
     (rows of op(a), columns of op(b)); key is the validator's 32-byte secret. Raises
     ValueError on any other input.
     """
-    a, b, c = _matrix("a", a), _matrix("b", b), _matrix("c", c)
+    a, b, c = check_matrix("a", a), check_matrix("b", b), check_matrix("c", c)
     trans_a, trans_b = bool(trans_a), bool(trans_b)
     m, k = op_shape(a, trans_a)
     k_b, n = op_shape(b, trans_b)
