@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import asyncio
 import logging
+import math
 import time
 from collections.abc import Awaitable, Callable
 
@@ -11,7 +13,14 @@ from prometheus_client import CONTENT_TYPE_LATEST
 
 from coordinator import dashboard, protocol
 from coordinator.engine import Coordinator
-from coordinator.protocol import NotFound, ProtocolError, TooLarge, UnsupportedMediaType
+from coordinator.protocol import (
+    NotFound,
+    ProtocolError,
+    RequestTimeout,
+    TooLarge,
+    TooManyRequests,
+    UnsupportedMediaType,
+)
 from kernels import is_blob_id
 
 log = logging.getLogger(__name__)
@@ -45,7 +54,10 @@ async def errors(request: web.Request, handler: Handler) -> web.StreamResponse:
             exc.status,
             exc.message,
         )
-        return error_response(exc.status, exc.code, exc.message)
+        response = error_response(exc.status, exc.code, exc.message)
+        if isinstance(exc, TooManyRequests):
+            response.headers["Retry-After"] = str(max(1, math.ceil(exc.retry_after)))
+        return response
     except web.HTTPRequestEntityTooLarge as exc:
         log.warning(
             "%s %s from %s: 413 body too large", request.method, request.path, request.remote
@@ -86,10 +98,15 @@ async def read_body(request: web.Request, limit: int) -> dict:
     if request.content_length is not None and request.content_length > limit:
         raise TooLarge(f"body of {request.content_length} bytes exceeds the limit of {limit}")
     body = bytearray()
-    while chunk := await request.content.read(1 << 16):
-        body += chunk
-        if len(body) > limit:
-            raise TooLarge(f"body exceeds the limit of {limit} bytes")
+    timeout = request.app[COORDINATOR].config.body_timeout
+    try:
+        async with asyncio.timeout(timeout):
+            while chunk := await request.content.read(1 << 16):
+                body += chunk
+                if len(body) > limit:
+                    raise TooLarge(f"body exceeds the limit of {limit} bytes")
+    except TimeoutError as exc:
+        raise RequestTimeout(f"the body did not arrive within {timeout:g} seconds") from exc
     return protocol.decode(bytes(body), limit)
 
 
@@ -102,7 +119,7 @@ def bearer(request: web.Request) -> str | None:
 async def register(request: web.Request) -> web.Response:
     co = request.app[COORDINATOR]
     message = protocol.parse_register(await read_body(request, MAX_REGISTER_BYTES))
-    host, token = await co.register(message, time.time())
+    host, token = await co.register(message, time.time(), request.remote or "?")
     log.info("registered host %d %r from %s", host.id, host.name, request.remote)
     return msgpack_response({"host_id": host.id, "token": token, "protocol": protocol.VERSION})
 
@@ -110,6 +127,7 @@ async def register(request: web.Request) -> web.Response:
 async def request_work(request: web.Request) -> web.Response:
     co = request.app[COORDINATOR]
     host = co.authenticate(bearer(request))
+    co.access.check_rate(host.id, time.monotonic())
     message = protocol.parse_work_request(await read_body(request, co.config.max_request_bytes))
     body = await co.request_work(host, message, time.time())
     return web.Response(body=body, content_type=protocol.CONTENT_TYPE)
@@ -118,13 +136,15 @@ async def request_work(request: web.Request) -> web.Response:
 async def report(request: web.Request) -> web.Response:
     co = request.app[COORDINATOR]
     host = co.authenticate(bearer(request))
+    co.access.check_rate(host.id, time.monotonic())
     message = protocol.parse_report(await read_body(request, co.config.max_report_bytes))
     return msgpack_response(await co.report(host, message, time.time()))
 
 
 async def blob(request: web.Request) -> web.StreamResponse:
     co = request.app[COORDINATOR]
-    co.authenticate(bearer(request))
+    host = co.authenticate(bearer(request))
+    co.access.check_rate(host.id, time.monotonic())
     blob_id = request.match_info["blob_id"]
     if not is_blob_id(blob_id):
         raise protocol.BadRequest(f"malformed blob id {blob_id!r:.80}")
@@ -153,6 +173,25 @@ async def dashboard_page(request: web.Request) -> web.Response:
     return web.Response(text=html, content_type="text/html")
 
 
+async def admin_pause(request: web.Request) -> web.Response:
+    co = request.app[COORDINATOR]
+    co.access.check_admin(bearer(request))
+    await co.set_paused(request.match_info["action"] == "pause", time.time())
+    return msgpack_response({"paused": co.paused})
+
+
+async def admin_host(request: web.Request) -> web.Response:
+    co = request.app[COORDINATOR]
+    co.access.check_admin(bearer(request))
+    try:
+        host_id = int(request.match_info["host_id"])
+    except ValueError as exc:
+        raise protocol.BadRequest("host id must be an integer") from exc
+    action = request.match_info["action"]
+    host = await co.set_quarantined(host_id, action == "quarantine", time.time())
+    return msgpack_response({"host_id": host.id, "quarantined": host.quarantined})
+
+
 def create_app(coordinator: Coordinator) -> web.Application:
     """The aiohttp application; the coordinator starts and stops with it."""
     app = web.Application(
@@ -172,6 +211,8 @@ def create_app(coordinator: Coordinator) -> web.Application:
     app.router.add_post("/v1/results", report)
     app.router.add_get("/v1/blobs/{blob_id}", blob)
     app.router.add_get("/v1/status", status)
+    app.router.add_post("/v1/admin/{action:pause|resume}", admin_pause)
+    app.router.add_post("/v1/admin/hosts/{host_id}/{action:quarantine|release}", admin_host)
     app.router.add_get("/metrics", metrics)
     app.router.add_get("/", dashboard_page)
     return app

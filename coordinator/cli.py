@@ -441,5 +441,95 @@ def status_lines(where: str, s: dict) -> list[str]:
     ]
 
 
+@main.group()
+def admin() -> None:
+    """Operate a running coordinator: pause, resume, quarantine or release a host."""
+
+
+admin_options = [
+    click.argument("url"),
+    option(
+        "--project",
+        "project_dir",
+        type=click.Path(file_okay=False, path_type=Path),
+        default=None,
+        help="Project directory holding admin.token.",
+    ),
+    option("--token", "admin_token", default=None, help="The admin token itself."),
+]
+
+
+def with_admin_options(fn):
+    for decorator in reversed(admin_options):
+        fn = decorator(fn)
+    return fn
+
+
+def _admin_call(url: str, path: str, project_dir: Path | None, admin_token: str | None) -> dict:
+    import urllib.error
+    import urllib.request
+
+    import msgpack
+
+    if admin_token is None:
+        if project_dir is None:
+            raise click.UsageError("give --project DIR (to read DIR/admin.token) or --token")
+        try:
+            admin_token = (project_dir / "admin.token").read_text().strip()
+        except OSError as exc:
+            raise click.ClickException(f"cannot read {project_dir / 'admin.token'}: {exc}") from exc
+    request = urllib.request.Request(
+        url.rstrip("/") + path,
+        data=msgpack.packb({}),
+        method="POST",
+        headers={"Authorization": f"Bearer {admin_token}", "Content-Type": "application/msgpack"},
+    )
+    try:
+        with urllib.request.urlopen(request, timeout=30) as reply:
+            return msgpack.unpackb(reply.read())
+    except urllib.error.HTTPError as exc:
+        try:
+            detail = msgpack.unpackb(exc.read()).get("message", "")
+        except Exception:
+            detail = exc.reason
+        raise click.ClickException(f"{exc.code}: {detail}") from exc
+    except OSError as exc:
+        raise click.ClickException(f"cannot reach {url}: {exc}") from exc
+
+
+@admin.command()
+@with_admin_options
+def pause(url, project_dir, admin_token) -> None:
+    """Hand out no new work (work in progress is still accepted)."""
+    _admin_call(url, "/v1/admin/pause", project_dir, admin_token)
+    click.echo("paused")
+
+
+@admin.command()
+@with_admin_options
+def resume(url, project_dir, admin_token) -> None:
+    """Hand out work again."""
+    _admin_call(url, "/v1/admin/resume", project_dir, admin_token)
+    click.echo("resumed")
+
+
+@admin.command()
+@with_admin_options
+@click.argument("host", type=int)
+def quarantine(url, project_dir, admin_token, host) -> None:
+    """Give HOST (an id) no more work."""
+    _admin_call(url, f"/v1/admin/hosts/{host}/quarantine", project_dir, admin_token)
+    click.echo(f"host {host} quarantined")
+
+
+@admin.command()
+@with_admin_options
+@click.argument("host", type=int)
+def release(url, project_dir, admin_token, host) -> None:
+    """Let HOST work again, starting with no trust and a quota of one."""
+    _admin_call(url, f"/v1/admin/hosts/{host}/release", project_dir, admin_token)
+    click.echo(f"host {host} released")
+
+
 if __name__ == "__main__":
     main(prog_name="tilehive")

@@ -21,6 +21,7 @@ from blake3 import blake3
 
 import kernels
 from coordinator import hosts as trust
+from coordinator.access import Access, AccessConfig, admin_token
 from coordinator.blobstore import BlobStore
 from coordinator.ledger import Ledger
 from coordinator.metrics import Metrics
@@ -56,6 +57,7 @@ from validation import validator
 log = logging.getLogger(__name__)
 
 REPLIES_KEPT_PER_HOST = 16
+PAUSED_DELAY = 5.0  # seconds a host waits before asking a paused project again
 ACTIVE_WITHIN = 300.0  # seconds since its last contact for a host to count as active
 
 
@@ -78,6 +80,8 @@ class CoordinatorConfig:
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     trust: trust.TrustConfig = field(default_factory=trust.TrustConfig)
     seed: int | None = None  # scheduler randomness (adaptive replication); None: from the OS
+    access: AccessConfig = field(default_factory=AccessConfig)
+    body_timeout: float = 60.0  # seconds a client may take to send a request body
 
 
 class GemmFailed(RuntimeError):
@@ -131,6 +135,8 @@ class Coordinator:
         rng = random.Random(config.seed) if config.seed is not None else random.SystemRandom()
         self.scheduler = Scheduler(self.ledger, config.scheduler, rng)
         self.key = load_secret(self.directory)
+        self.access = Access(config.access, admin_token(self.directory))
+        self.paused = False  # set by the operator: no new work goes out
         self.outputs: dict[str, GemmOutput] = {}
         self._replies: dict[int, OrderedDict[str, bytes]] = {}
         self._checks: dict[str, validator.Check] = {}
@@ -193,7 +199,10 @@ class Coordinator:
 
     # ---- hosts ---------------------------------------------------------------------------
 
-    async def register(self, request: RegisterRequest, now: float) -> tuple[Host, str]:
+    async def register(
+        self, request: RegisterRequest, now: float, address: str = "?"
+    ) -> tuple[Host, str]:
+        self.access.check_registration(address, request.invite, now)
         token = secrets.token_hex(32)
         host_id = max(self.ledger.hosts, default=0) + 1
         host = Host(
@@ -260,6 +269,16 @@ class Coordinator:
         if request.gflops:
             host = host.evolve(gflops=request.gflops)
         self.ledger.put_host(host)
+        if self.paused:
+            return encode(
+                {
+                    "assignments": [],
+                    "abort": [],
+                    "bytes_saved": 0,
+                    "delay": PAUSED_DELAY,
+                    "note": "the project is paused by its operator",
+                }
+            )
         plan = self.scheduler.plan(host, request, now)
         deadline = time.monotonic() + self.config.long_poll
         while not plan.assignments and plan.room > 0 and request.wait:
@@ -449,6 +468,33 @@ class Coordinator:
                 states["idle"] += 1
         return states
 
+    # ---- the operator -------------------------------------------------------------------
+
+    async def set_paused(self, paused: bool, now: float) -> None:
+        """Hand out no new work (results in progress are still accepted), or resume."""
+        self.paused = paused
+        state = "paused" if paused else "resumed"
+        self.ledger.log([Event(now, "project", state, f"project {state} by the operator")])
+        await self.ledger.flush()
+        if not paused:
+            self._signal_work()
+
+    async def set_quarantined(self, host_id: int, quarantined: bool, now: float) -> Host:
+        host = self.ledger.hosts.get(host_id)
+        if host is None:
+            raise NotFound(f"no host {host_id}")
+        changed = host.evolve(quarantined=quarantined)
+        if not quarantined:
+            # A released host starts over: no trust, a small quota, and a clean invalid count.
+            changed = changed.evolve(invalid_count=0, consecutive_valid=0, max_in_progress=1)
+        self.ledger.put_host(changed)
+        state = "quarantined" if quarantined else "released"
+        self.ledger.log(
+            [Event(now, "host", state, f"host {host_id} {state} by the operator", host_id=host_id)]
+        )
+        await self.ledger.flush()
+        return changed
+
     async def full_status(self) -> dict:
         """status() with the counts of the whole project, finished products included."""
         await self.ledger.flush()
@@ -473,6 +519,7 @@ class Coordinator:
             "hosts_quarantined": sum(1 for h in ledger.hosts.values() if h.quarantined),
             "tiles_per_second": round(self.tiles_per_second(), 2),
             "training": training,
+            "paused": self.paused,
             **self.stats,
         }
 

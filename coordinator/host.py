@@ -10,6 +10,7 @@ import signal
 import socket
 from pathlib import Path
 
+from coordinator.access import AccessConfig
 from coordinator.api import serve
 from coordinator.engine import Coordinator, CoordinatorConfig
 from coordinator.project import Project
@@ -20,7 +21,7 @@ log = logging.getLogger(__name__)
 
 
 def coordinator_config(project: Project) -> CoordinatorConfig:
-    work = project.work
+    work, access = project.work, project.access
     return CoordinatorConfig(
         directory=project.directory,
         policy=project.policy,
@@ -28,6 +29,12 @@ def coordinator_config(project: Project) -> CoordinatorConfig:
         tile=work.tile,
         freivalds_rounds=work.freivalds_rounds,
         no_work_delay=0.25,
+        access=AccessConfig(
+            invite_code=access.invite_code,
+            host_rate=access.host_rate,
+            host_burst=2 * access.host_rate,
+            registrations_per_hour=access.registrations_per_hour,
+        ),
     )
 
 

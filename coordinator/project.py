@@ -68,6 +68,13 @@ class WorkSettings:
 
 
 @dataclass(frozen=True)
+class AccessSettings:
+    invite_code: str = ""
+    host_rate: float = 200.0
+    registrations_per_hour: int = 30
+
+
+@dataclass(frozen=True)
 class Project:
     directory: Path
     model: ModelSettings = field(default_factory=ModelSettings)
@@ -75,6 +82,7 @@ class Project:
     training: TrainingSettings = field(default_factory=TrainingSettings)
     optimizer: OptimizerSettings = field(default_factory=OptimizerSettings)
     work: WorkSettings = field(default_factory=WorkSettings)
+    access: AccessSettings = field(default_factory=AccessSettings)
 
     @property
     def checkpoints(self) -> Path:
@@ -102,6 +110,7 @@ SECTIONS = {
     "training": TrainingSettings,
     "optimizer": OptimizerSettings,
     "work": WorkSettings,
+    "access": AccessSettings,
 }
 
 # (section, key) -> (check, the allowed values as a user reads them)
@@ -135,6 +144,9 @@ RULES: dict[tuple[str, str], tuple[Any, str]] = {
     ("work", "max_error_results"): (lambda v: 0 <= v <= 1000, "an integer from 0 to 1000"),
     ("work", "max_total_results"): (lambda v: 1 <= v <= 1000, "an integer from 1 to 1000"),
     ("work", "delay_bound"): (lambda v: 0.1 <= v <= 1e6, "seconds, from 0.1 to 1e6"),
+    ("access", "invite_code"): (lambda v: len(v) <= 256, "a string of at most 256 characters"),
+    ("access", "host_rate"): (lambda v: 0.1 <= v <= 1e6, "requests per second, 0.1 to 1e6"),
+    ("access", "registrations_per_hour"): (lambda v: 1 <= v <= 1e9, "a positive integer"),
 }
 
 
@@ -242,6 +254,11 @@ min_quorum = {work.min_quorum}            # identical results needed
 max_error_results = {work.max_error_results}     # errors before a work unit fails for good
 max_total_results = {work.max_total_results}     # replicas before a work unit fails for good
 delay_bound = {work.delay_bound}         # seconds a volunteer has for one tile
+
+[access]                    # who may join, how often; the admin token is in admin.token
+invite_code = "{access.invite_code}"          # non-empty: volunteers must register with it
+host_rate = {access.host_rate}           # requests per second one host may make (bursts of 2x)
+registrations_per_hour = {access.registrations_per_hour}   # registrations per client address
 """
 
 
@@ -252,6 +269,7 @@ def render(project: Project) -> str:
         training=project.training,
         optimizer=project.optimizer,
         work=project.work,
+        access=project.access,
     )
 
 
@@ -270,4 +288,7 @@ def create(directory: Path | str, **overrides: Any) -> Project:
     parse(directory, text)  # the same checks as loading it later
     directory.mkdir(parents=True, exist_ok=True)
     path.write_text(text)
+    from coordinator.access import admin_token
+
+    admin_token(directory)
     return project

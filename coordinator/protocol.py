@@ -63,6 +63,24 @@ class NotFound(ProtocolError):
     code = "not_found"
 
 
+class RequestTimeout(ProtocolError):
+    """The body did not arrive in time (a stalled or deliberately slow client)."""
+
+    status = 408
+    code = "request_timeout"
+
+
+class TooManyRequests(ProtocolError):
+    """Over a rate limit; `retry_after` seconds until it is worth trying again."""
+
+    status = 429
+    code = "too_many_requests"
+
+    def __init__(self, message: str, retry_after: float) -> None:
+        super().__init__(message)
+        self.retry_after = retry_after
+
+
 class TooLarge(ProtocolError):
     """The body is over this endpoint's size limit."""
 
@@ -146,6 +164,7 @@ class RegisterRequest:
     gflops: float
     threads: int
     max_memory_mb: int
+    invite: str | None = None
 
 
 def parse_register(message: dict[str, Any]) -> RegisterRequest:
@@ -157,6 +176,7 @@ def parse_register(message: dict[str, Any]) -> RegisterRequest:
         gflops=float(_number(message, "gflops", 0.0, 1e6, 1.0)),
         threads=int(_number(message, "threads", 1, 4096, 1)),
         max_memory_mb=int(_number(message, "max_memory_mb", 0, 1 << 24, 0)),
+        invite=_get(message, "invite", str, None),
     )
 
 

@@ -77,6 +77,7 @@ def volunteer() -> None:
     show_default=True,
     help="CPU priority; low is nice 19.",
 )
+@option("--invite", default=None, help="The project's invite code, if it needs one.")
 @option(
     "--max-backoff",
     type=click.FloatRange(min=0.1),
@@ -94,6 +95,7 @@ def start(
     state_dir: Path,
     idle_only: bool,
     priority: str,
+    invite: str | None,
     max_backoff: float,
     log_format: str,
 ) -> None:
@@ -108,6 +110,7 @@ def start(
         idle_only=idle_only,
         low_priority=priority == "low",
         max_backoff=max_backoff,
+        invite=invite,
         **({"name": name} if name else {}),
     )
     state = StateDir(state_dir)

@@ -16,11 +16,17 @@ CONTENT_TYPE = "application/msgpack"
 class ServerRefused(Exception):
     """The coordinator answered with an error status; `status`, `code`, `message` say why."""
 
-    def __init__(self, status: int, code: str, message: str) -> None:
+    def __init__(self, status: int, code: str, message: str, retry_after: float = 0.0) -> None:
         super().__init__(f"{status} {code}: {message}")
         self.status = status
         self.code = code
         self.message = message
+        self.retry_after = retry_after  # from a 429's Retry-After header
+
+    @property
+    def retriable(self) -> bool:
+        """Worth sending again later: the server was busy or slow, not the request wrong."""
+        return self.status >= 500 or self.status in (408, 429)
 
 
 class CoordinatorClient:
@@ -67,10 +73,10 @@ class CoordinatorClient:
         body = msgpack.packb(message, use_bin_type=True)
         async with self.session.post(self.url + path, data=body, headers=self._headers()) as resp:
             payload = await resp.read()
-            return self._decode(resp.status, payload)
+            return self._decode(resp.status, payload, resp.headers.get("Retry-After"))
 
     @staticmethod
-    def _decode(status: int, payload: bytes) -> dict[str, Any]:
+    def _decode(status: int, payload: bytes, retry_after: str | None = None) -> dict[str, Any]:
         try:
             message = msgpack.unpackb(payload, raw=False)
         except Exception as exc:
@@ -78,18 +84,33 @@ class CoordinatorClient:
         if not isinstance(message, dict):
             raise ServerRefused(status, "bad_reply", "reply is not a msgpack map")
         if status >= 400:
+            try:
+                wait = float(retry_after) if retry_after else 0.0
+            except ValueError:
+                wait = 0.0
             raise ServerRefused(
-                status, str(message.get("error", "error")), str(message.get("message", ""))
+                status, str(message.get("error", "error")), str(message.get("message", "")), wait
             )
         return message
 
     async def register(
-        self, name: str, *, gflops: float = 1.0, threads: int = 1, max_memory_mb: int = 0
+        self,
+        name: str,
+        *,
+        gflops: float = 1.0,
+        threads: int = 1,
+        max_memory_mb: int = 0,
+        invite: str | None = None,
     ) -> int:
-        reply = await self._post(
-            "/v1/hosts",
-            {"name": name, "gflops": gflops, "threads": threads, "max_memory_mb": max_memory_mb},
-        )
+        message: dict[str, Any] = {
+            "name": name,
+            "gflops": gflops,
+            "threads": threads,
+            "max_memory_mb": max_memory_mb,
+        }
+        if invite:
+            message["invite"] = invite
+        reply = await self._post("/v1/hosts", message)
         self.token = reply["token"]
         return int(reply["host_id"])
 
@@ -120,7 +141,7 @@ class CoordinatorClient:
             f"{self.url}/v1/blobs/{blob_id}", headers=self._headers()
         ) as resp:
             if resp.status >= 400:
-                self._decode(resp.status, await resp.read())
+                self._decode(resp.status, await resp.read(), resp.headers.get("Retry-After"))
             data = bytearray()
             async for chunk in resp.content.iter_chunked(1 << 16):
                 data += chunk

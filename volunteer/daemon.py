@@ -70,6 +70,7 @@ class VolunteerConfig:
     low_priority: bool = True
     max_backoff: float = 60.0
     stop_timeout: float = 10.0  # seconds a stop waits for the tile being computed
+    invite: str | None = None  # the project's invite code, if it asks for one
 
 
 class NotEnoughMemory(RuntimeError):
@@ -198,6 +199,7 @@ class Volunteer:
             gflops=self.gflops,
             threads=self.config.threads,
             max_memory_mb=self.work_budget_mb(),
+            invite=self.config.invite,
         )
         self.state.save_identity(self.config.url, host_id, client.token, self.config.name)
         log.info("registered with %s as host %d", self.config.url, host_id)
@@ -219,7 +221,7 @@ class Volunteer:
             log.error("the coordinator refuses this host: %s", exc.message)
             stop.set()
             return
-        delay = self.backoff.next_delay()
+        delay = self.backoff.next_delay(at_least=exc.retry_after)
         self.stats.note = f"coordinator said {exc.status} {exc.code}: {exc.message}"
         log.warning("%s; retry in %.1fs", self.stats.note, delay)
         await _wait(stop, delay)
@@ -339,6 +341,11 @@ class Volunteer:
             self.pending_reports.append({"result_id": result_id, "error": f"corrupt blob: {exc}"})
             return
         except ServerRefused as exc:
+            if exc.retriable:
+                # Busy, not wrong: keep the assignment and fetch again after the backoff.
+                retry = asyncio.create_task(self._operands(client, assignment))
+                self.queue.appendleft(Job(assignment, job.deadline, retry))
+                raise
             log.error("cannot fetch operands of %s: %s", result_id, exc)
             self.pending_reports.append({"result_id": result_id, "error": f"fetch failed: {exc}"})
             return
@@ -375,9 +382,9 @@ class Volunteer:
         try:
             await client.report(batch)
         except ServerRefused as exc:
-            if exc.status >= 500 or exc.status in (401, 413):
-                raise
-            # A 4xx names a report the coordinator will never take: never resend it blindly.
+            if exc.retriable or exc.status == 401:
+                raise  # kept: sent again after the backoff (or after registering again)
+            # Any other 4xx names a report the coordinator will never take: never resend it.
             log.error("the coordinator refused %d report(s): %s", len(batch), exc.message)
             self.stats.errors += 1
         self.stats.bytes_up += sum(len(r.get("tile", b"")) + 64 for r in batch)

@@ -1,0 +1,92 @@
+"""Who may do what, how often: the admin token, invite codes, and per-host rate limits."""
+
+from __future__ import annotations
+
+import hmac
+import os
+import secrets
+from collections import defaultdict, deque
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from coordinator.protocol import Forbidden, TooManyRequests, Unauthorized
+
+ADMIN_TOKEN_FILE = "admin.token"
+
+
+def admin_token(directory: Path) -> str:
+    """The project's admin token: 256 random bits in DIR/admin.token (0600), made once."""
+    path = directory / ADMIN_TOKEN_FILE
+    if not path.exists():
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        with os.fdopen(fd, "w") as f:
+            f.write(secrets.token_hex(32) + "\n")
+    return path.read_text().strip()
+
+
+@dataclass
+class TokenBucket:
+    """`rate` requests per second on average, bursts of `burst`."""
+
+    rate: float
+    burst: float
+    tokens: float = -1.0
+    stamp: float = 0.0
+
+    def take(self, now: float) -> float:
+        """0 if the request may go ahead, else the seconds until it may."""
+        if self.tokens < 0:
+            self.tokens, self.stamp = self.burst, now
+        self.tokens = min(self.burst, self.tokens + (now - self.stamp) * self.rate)
+        self.stamp = now
+        if self.tokens >= 1:
+            self.tokens -= 1
+            return 0.0
+        return (1 - self.tokens) / self.rate
+
+
+@dataclass(frozen=True)
+class AccessConfig:
+    invite_code: str = ""  # empty: anyone may register
+    host_rate: float = 200.0  # requests per second per host, on average
+    host_burst: float = 400.0
+    registrations_per_hour: int = 30  # per client address
+
+
+@dataclass
+class Access:
+    config: AccessConfig
+    admin: str
+    buckets: dict[int, TokenBucket] = field(default_factory=dict)
+    registrations: dict[str, deque] = field(default_factory=lambda: defaultdict(deque))
+
+    def check_admin(self, token: str | None) -> None:
+        # Constant time: the admin token guards pausing the project and quarantining hosts.
+        if not token or not hmac.compare_digest(token.encode(), self.admin.encode()):
+            raise Unauthorized("admin token required: see DIR/admin.token")
+
+    def check_registration(self, address: str, invite: str | None, now: float) -> None:
+        code = self.config.invite_code
+        if code and not hmac.compare_digest((invite or "").encode(), code.encode()):
+            raise Forbidden("this project needs an invite code to register (field 'invite')")
+        window = self.registrations[address]
+        while window and window[0] < now - 3600:
+            window.popleft()
+        if len(window) >= self.config.registrations_per_hour:
+            retry = window[0] + 3600 - now
+            raise TooManyRequests(
+                f"{len(window)} registrations from {address} in the last hour", retry
+            )
+        window.append(now)
+
+    def check_rate(self, host_id: int, now: float) -> None:
+        bucket = self.buckets.get(host_id)
+        if bucket is None:
+            bucket = self.buckets[host_id] = TokenBucket(
+                self.config.host_rate, self.config.host_burst
+            )
+        wait = bucket.take(now)
+        if wait:
+            raise TooManyRequests(
+                f"host {host_id} is over {self.config.host_rate:g} requests per second", wait
+            )

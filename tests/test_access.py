@@ -1,0 +1,138 @@
+"""Authority and limits: the admin API, invite codes, rate limits and slow clients."""
+
+from __future__ import annotations
+
+import asyncio
+
+import msgpack
+import numpy as np
+import pytest
+
+import kernels
+from coordinator.access import AccessConfig
+from coordinator.workunits import Policy
+from tests.conftest import bits, operands
+from tests.procs import tilehive
+from tests.test_coordinator_e2e import running, volunteers
+from tests.volunteers import Behaviour, wait_until
+from volunteer.client import CoordinatorClient, ServerRefused
+
+
+async def admin(client: CoordinatorClient, path: str, token: str | None):
+    session = client.session
+    headers = {"Content-Type": "application/msgpack"}
+    if token:
+        headers["Authorization"] = f"Bearer {token}"
+    async with session.post(client.url + path, data=msgpack.packb({}), headers=headers) as r:
+        return r.status, msgpack.unpackb(await r.read())
+
+
+async def test_the_admin_token_pauses_resumes_and_quarantines(tmp_path, rng):
+    async with running(tmp_path, tile=16) as (co, queue, url):
+        token = (tmp_path / "project" / "admin.token").read_text().strip()
+        assert (tmp_path / "project" / "admin.token").stat().st_mode & 0o777 == 0o600
+        async with CoordinatorClient(url) as client:
+            host_id = await client.register("h")
+            for wrong in (None, "nope", client.token):
+                status, reply = await admin(client, "/v1/admin/pause", wrong)
+                assert status == 401 and "admin token" in reply["message"]
+            assert (await admin(client, "/v1/admin/pause", token))[0] == 200
+            a, b = operands(rng, 16, 16, 8, False, False)
+            product = asyncio.ensure_future(queue.matmul(a, b))
+            await wait_until(lambda: co.ledger.unsent)
+            paused = await client.request_work("p1", capacity=2)
+            assert paused["assignments"] == [] and "paused" in paused["note"]
+            assert (await admin(client, f"/v1/admin/hosts/{host_id}/quarantine", token))[0] == 200
+            with pytest.raises(ServerRefused, match="quarantined"):
+                await client.request_work("p2", capacity=2)
+            assert (await admin(client, f"/v1/admin/hosts/{host_id}/release", token))[0] == 200
+            assert (await admin(client, "/v1/admin/hosts/999/release", token))[0] == 404
+            assert (await admin(client, "/v1/admin/resume", token))[0] == 200
+        async with volunteers(url, [Behaviour()] * 2) as crew:
+            got = await crew.finish(product)
+        assert np.array_equal(bits(got), bits(kernels.gemm(a, b)))
+        events = await co.store.events(kind="project")
+        assert [e.state for e in events] == ["paused", "resumed"]
+
+
+async def test_the_admin_command_line(tmp_path):
+    async with running(tmp_path, tile=16) as (co, _, url):
+        project = str(tmp_path / "project")
+        done = await asyncio.to_thread(tilehive, "admin", "pause", url, "--project", project)
+        assert done.returncode == 0 and "paused" in done.stdout and co.paused
+        done = await asyncio.to_thread(tilehive, "admin", "resume", url, "--token", "wrong")
+        assert done.returncode == 1 and "401" in done.stderr and co.paused
+        done = await asyncio.to_thread(tilehive, "admin", "resume", url)
+        assert done.returncode == 2 and "--project" in done.stderr
+
+
+async def test_an_invite_code_guards_registration(tmp_path):
+    access = AccessConfig(invite_code="open-sesame")
+    async with running(tmp_path, access=access) as (_, _, url), CoordinatorClient(url) as c:
+        with pytest.raises(ServerRefused, match="invite code") as refused:
+            await c.register("stranger")
+        assert refused.value.status == 403
+        with pytest.raises(ServerRefused, match="invite code"):
+            await c.register("guesser", invite="open")
+        assert await c.register("friend", invite="open-sesame") >= 1
+
+
+async def test_rate_limits_answer_429_with_retry_after(tmp_path):
+    access = AccessConfig(host_rate=1.0, host_burst=3.0, registrations_per_hour=2)
+    async with running(tmp_path, access=access) as (_, _, url), CoordinatorClient(url) as c:
+        await c.register("busy")
+        statuses = []
+        for i in range(5):
+            try:
+                await c.request_work(f"r{i}", capacity=0)
+                statuses.append(200)
+            except ServerRefused as exc:
+                statuses.append(exc.status)
+        assert statuses[:3] == [200, 200, 200] and statuses[3:] == [429, 429]
+        headers = {"Authorization": f"Bearer {c.token}", "Content-Type": "application/msgpack"}
+        body = msgpack.packb({"request_id": "x", "capacity": 0})
+        async with c.session.post(url + "/v1/work", data=body, headers=headers) as reply:
+            assert reply.status == 429 and int(reply.headers["Retry-After"]) >= 1
+        await CoordinatorClient(url, session=c.session).register("second")
+        with pytest.raises(ServerRefused, match="registrations") as refused:
+            await CoordinatorClient(url, session=c.session).register("third")
+        assert refused.value.status == 429
+
+
+async def test_a_client_that_stalls_its_body_gets_408(tmp_path):
+    async with running(tmp_path, body_timeout=0.3) as (_, _, url):
+        host, port = url.removeprefix("http://").split(":")
+        reader, writer = await asyncio.open_connection(host, int(port))
+        writer.write(
+            b"POST /v1/hosts HTTP/1.1\r\nHost: x\r\nContent-Type: application/msgpack\r\n"
+            b"Content-Length: 100\r\n\r\n\x81"
+        )
+        await writer.drain()
+        status_line = await asyncio.wait_for(reader.readline(), 10)
+        assert b" 408 " in status_line
+        writer.close()
+        await writer.wait_closed()
+
+
+async def test_a_volunteer_over_the_rate_limit_slows_down_and_loses_nothing(tmp_path, rng):
+    """A 429 is 'later', not 'never': the daemon keeps its results and sends them again."""
+    from volunteer.daemon import Volunteer, VolunteerConfig
+
+    access = AccessConfig(host_rate=5.0, host_burst=5.0)
+    settings = {"tile": 8, "access": access, "policy": Policy.FREIVALDS}
+    async with running(tmp_path, **settings) as (co, queue, url):
+        worker = Volunteer(
+            VolunteerConfig(url=url, state_dir=tmp_path / "vol", threads=1, max_backoff=1.0)
+        )
+        worker.prepare()
+        stop = asyncio.Event()
+        running_worker = asyncio.create_task(worker.run(stop))
+        a, b = operands(rng, 32, 32, 8, False, False)
+        try:
+            got = await asyncio.wait_for(queue.matmul(a, b), 120)
+        finally:
+            stop.set()
+            await running_worker
+        assert np.array_equal(bits(got), bits(kernels.gemm(a, b)))
+        refused = [e for e in await co.store.events(kind="result") if e.state == "client_error"]
+        assert refused == [] and worker.stats.errors > 0  # it was throttled, and lost nothing
