@@ -388,6 +388,8 @@ class Coordinator:
         return tile
 
     def _apply_report(self, host, entry, result: Result, wu: WorkUnit, has_tile, now) -> str:
+        # Re-read: a deadline or a concurrent retry of this report may have changed it since.
+        result = self.ledger.results.get(result.id, result)
         if result.outcome in (Outcome.SUCCESS, Outcome.CLIENT_ERROR):
             return "duplicate"
         late = result.server_state is ServerState.OVER
