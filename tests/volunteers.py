@@ -76,7 +76,10 @@ class ScriptedVolunteer:
                     continue
                 reports = []
                 for assignment in assignments:
-                    reports.append(await self._compute(client, stop, assignment))
+                    report = await self._compute(client, stop, assignment)
+                    if report is None:  # stopped while fetching
+                        return
+                    reports.append(report)
                 if await self._retry(stop, lambda r=reports: client.report(r)) is None:
                     return
                 self.done += len(reports)
@@ -86,19 +89,22 @@ class ScriptedVolunteer:
         while not stop.is_set():
             try:
                 return await call()
-            except (aiohttp.ClientConnectionError, TimeoutError):
+            except (aiohttp.ClientError, TimeoutError):  # refused, reset, cut mid-blob
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(stop.wait(), timeout=0.05)
         return None
 
-    async def _compute(self, client: CoordinatorClient, stop, assignment: dict) -> dict:
+    async def _compute(self, client: CoordinatorClient, stop, assignment: dict) -> dict | None:
         blobs = []
         for key in ("a", "b"):
             blob_id = assignment[key]
             if blob_id not in self.cache:
-                self.cache[blob_id] = await self._retry(
+                data = await self._retry(
                     stop, lambda b=blob_id: client.fetch_blob(b, max_bytes=MAX_BLOB)
                 )
+                if data is None:
+                    return None
+                self.cache[blob_id] = data
             blobs.append(self.cache[blob_id])
         output_hash, tile = compute_tile(assignment, *blobs)
         if self.behaviour.seconds_per_tile:
