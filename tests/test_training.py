@@ -172,13 +172,50 @@ def test_the_demo_trains_and_leaves_no_process_behind(tmp_path):
     assert result.returncode == 0, result.stdout + result.stderr
     assert "loss:" in result.stdout and "validation:" in result.stdout
     assert (directory / "checkpoints" / "step-000003.npz").exists()
-    leftovers = []
+    assert _processes_mentioning(str(directory)) == []
+
+def _processes_mentioning(text: str) -> list[str]:
+    found = []
     for proc in Path("/proc").iterdir():
         if proc.name.isdigit() and int(proc.name) != os.getpid():
             try:
                 cmdline = (proc / "cmdline").read_bytes().decode(errors="replace")
+                state = (proc / "stat").read_text().rsplit(")", 1)[1].split()[0]
             except OSError:
                 continue
-            if str(directory) in cmdline:
-                leftovers.append(cmdline)
-    assert leftovers == []
+            if text in cmdline and state != "Z":
+                found.append(cmdline)
+    return found
+
+
+async def test_ctrl_c_stops_the_demo_and_every_process_it_started(tmp_path):
+    directory = tmp_path / "demo"
+    demo = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "coordinator.cli",
+            "demo",
+            "--steps",
+            "500",
+            "--volunteers",
+            "2",
+            "--dir",
+            str(directory),
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        cwd=ROOT,
+        env=ENV,
+    )
+    try:
+        metrics = directory / "train.jsonl"
+        await wait_until(lambda: metrics.exists() and metrics.read_text().strip(), timeout=120)
+        assert len(_processes_mentioning(str(directory))) >= 3  # coordinator and volunteers
+        demo.send_signal(signal.SIGINT)
+        assert await asyncio.to_thread(demo.wait, 60) == 130
+    finally:
+        if demo.poll() is None:
+            demo.kill()
+            demo.wait()
+    assert _processes_mentioning(str(directory)) == []
