@@ -8,6 +8,7 @@ import math
 import time
 from collections.abc import Awaitable, Callable
 
+import aiohttp
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST
 
@@ -107,6 +108,9 @@ async def read_body(request: web.Request, limit: int) -> dict:
                     raise TooLarge(f"body exceeds the limit of {limit} bytes")
     except TimeoutError as exc:
         raise RequestTimeout(f"the body did not arrive within {timeout:g} seconds") from exc
+    except (ConnectionError, aiohttp.ClientPayloadError, aiohttp.http.HttpProcessingError) as exc:
+        # The client hung up or broke the framing mid-body: one log line, nothing applied.
+        raise protocol.BadRequest(f"the body was cut off: {type(exc).__name__}") from exc
     return protocol.decode(bytes(body), limit)
 
 

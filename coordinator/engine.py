@@ -361,7 +361,9 @@ class Coordinator:
             checked.append((entry, result, wu, tile))
         summary: dict[str, list[str]] = {"accepted": [], "late": finished, "duplicate": []}
         for entry, result, wu, tile in checked:
-            if tile is not None:
+            current = self.ledger.results.get(result.id, result)
+            reported = current.outcome in (Outcome.SUCCESS, Outcome.CLIENT_ERROR)
+            if tile is not None and not reported:  # a replay stores nothing
                 await asyncio.to_thread(self.blobs.put, tile, entry.output_hash)
             summary[self._apply_report(host, entry, result, wu, tile is not None, now)].append(
                 entry.result_id

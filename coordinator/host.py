@@ -15,6 +15,7 @@ from coordinator.api import serve
 from coordinator.engine import Coordinator, CoordinatorConfig
 from coordinator.project import Project
 from coordinator.queue import WorkQueue
+from coordinator.scheduler import SchedulerConfig
 from coordinator.trainer import StepReport, Trainer, VolunteerBackend
 
 log = logging.getLogger(__name__)
@@ -29,6 +30,7 @@ def coordinator_config(project: Project) -> CoordinatorConfig:
         tile=work.tile,
         freivalds_rounds=work.freivalds_rounds,
         no_work_delay=0.25,
+        scheduler=SchedulerConfig(adaptive_replication=work.adaptive_replication),
         access=AccessConfig(
             invite_code=access.invite_code,
             host_rate=access.host_rate,

@@ -65,6 +65,7 @@ class WorkSettings:
     max_error_results: int = 4
     max_total_results: int = 8
     delay_bound: float = 60.0
+    adaptive_replication: bool = True
 
 
 @dataclass(frozen=True)
@@ -144,6 +145,7 @@ RULES: dict[tuple[str, str], tuple[Any, str]] = {
     ("work", "max_error_results"): (lambda v: 0 <= v <= 1000, "an integer from 0 to 1000"),
     ("work", "max_total_results"): (lambda v: 1 <= v <= 1000, "an integer from 1 to 1000"),
     ("work", "delay_bound"): (lambda v: 0.1 <= v <= 1e6, "seconds, from 0.1 to 1e6"),
+    ("work", "adaptive_replication"): (lambda v: isinstance(v, bool), "true or false"),
     ("access", "invite_code"): (lambda v: len(v) <= 256, "a string of at most 256 characters"),
     ("access", "host_rate"): (lambda v: 0.1 <= v <= 1e6, "requests per second, 0.1 to 1e6"),
     ("access", "registrations_per_hour"): (lambda v: 1 <= v <= 1e9, "a positive integer"),
@@ -254,6 +256,9 @@ min_quorum = {work.min_quorum}            # identical results needed
 max_error_results = {work.max_error_results}     # errors before a work unit fails for good
 max_total_results = {work.max_total_results}     # replicas before a work unit fails for good
 delay_bound = {work.delay_bound}         # seconds a volunteer has for one tile
+adaptive_replication = {adaptive}   # trusted hosts may get tiles alone, Freivalds-checked;
+                              # false: every tile gets its quorum (bitwise even against a
+                              # trusted host that turns liar, at twice the compute)
 
 [access]                    # who may join, how often; the admin token is in admin.token
 invite_code = "{access.invite_code}"          # non-empty: volunteers must register with it
@@ -270,6 +275,7 @@ def render(project: Project) -> str:
         optimizer=project.optimizer,
         work=project.work,
         access=project.access,
+        adaptive="true" if project.work.adaptive_replication else "false",
     )
 
 

@@ -37,6 +37,7 @@ class SchedulerConfig:
     deadline_floor: float = 5.0  # seconds any host gets, however fast
     deadline_slack: float = 20.0  # times the host's expected compute time
     trust_threshold: int = 10  # consecutive valid results before adaptive replication
+    adaptive_replication: bool = True  # off: every work unit gets its full replication
     default_quota: int = 4  # in-progress results per host thread
 
 
@@ -185,7 +186,9 @@ class Scheduler:
 
     def _maybe_trust(self, host, wu, siblings, now, plan) -> WorkUnit:
         """BOINC's adaptive replication, decided when the first replica is sent."""
-        if wu.policy is Policy.FREIVALDS or wu.min_quorum <= 1:
+        if not self.config.adaptive_replication or wu.policy is Policy.FREIVALDS:
+            return wu
+        if wu.min_quorum <= 1:
             return wu
         if any(r.server_state is not ServerState.UNSENT for r in siblings):
             return wu

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import random
 from collections.abc import Iterable
@@ -511,3 +512,13 @@ W = make_wu(1)
 )
 def test_wants_tile_unless_a_live_replica_brings_one(siblings, expected):
     assert wants_tile(siblings) is expected
+
+
+def test_with_adaptive_replication_off_even_a_trusted_host_never_works_alone():
+    """The project setting for bitwise results even against a trusted host turned liar."""
+    ledger = make_ledger([make_wu(i) for i in range(N_WUS)])
+    host = make_host(1, cv=1000, max_in_progress=N_WUS)
+    config = dataclasses.replace(CONFIG, adaptive_replication=False)
+    scheduler(ledger, 7, config).plan(host, request(capacity=N_WUS), NOW)
+    assert _singles(ledger) == set()
+    assert len(ledger.unsent) == N_WUS
