@@ -337,7 +337,52 @@ class Coordinator:
         self.ledger.remember_reply(Reply(host_id, request_id, now, body))
 
     async def report(self, host: Host, request: ReportRequest, now: float) -> dict:
-        """Accept a batch of results: all entries are checked before any is applied."""
+        """Accept a batch of results: all entries are checked before any is applied.
+
+        A batch refused for a forged or malformed result costs the host as an invalid result
+        would: an honest client never sends one, and a liar must not lie for free."""
+        try:
+            return await self._report(host, request, now)
+        except (BadRequest, Forbidden) as exc:
+            current = self.ledger.hosts[host.id]
+            changed = trust.after_invalid(current, self.config.trust)
+            self.ledger.put_host(changed)
+            self.stats["invalid"] += 1
+            self.ledger.log(
+                [
+                    Event(
+                        now,
+                        "validation",
+                        "invalid",
+                        f"refused report: {exc.message}",
+                        host_id=host.id,
+                        data=json.dumps(
+                            {
+                                "method": "protocol",
+                                "trust_before": current.consecutive_valid,
+                                "trust_after": 0,
+                            }
+                        ),
+                    ),
+                ]
+            )
+            if changed.quarantined and not current.quarantined:
+                self.ledger.log(
+                    [
+                        Event(
+                            now,
+                            "host",
+                            "quarantined",
+                            f"host {host.id} quarantined after {changed.invalid_count} invalid "
+                            "results",
+                            host_id=host.id,
+                        )
+                    ]
+                )
+            await self.ledger.flush()
+            raise
+
+    async def _report(self, host: Host, request: ReportRequest, now: float) -> dict:
         checked = []
         finished = []  # results of GEMMs already done and out of memory: nothing to apply
         for entry in request.results:
