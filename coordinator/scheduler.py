@@ -151,15 +151,23 @@ class Scheduler:
         wu = ledger.wus[result.wu_id]
         if wu.state is not WuState.ACTIVE or host.id in ledger.hosts_of_wu.get(wu.id, ()):
             return None
+        siblings = ledger.results_for(wu.id)
         if wu.accelerated and not fast_and_reliable(host, ledger):
-            return None
+            # Only the spare is kept for fast hosts; replicas the quorum needs go to anyone.
+            live = sum(
+                1
+                for r in siblings
+                if r.server_state is ServerState.IN_PROGRESS
+                or (r.outcome is Outcome.SUCCESS and r.validate_state is not ValidateState.INVALID)
+            )
+            if live >= wu.min_quorum:
+                return None
         if host.max_memory_mb:
             need = memory_need(wu, ledger.panel_bytes)
             if need > host.max_memory_mb << 20:
                 plan.too_big += 1
                 plan.smallest_need = min(plan.smallest_need or need, need)
                 return None
-        siblings = ledger.results_for(wu.id)
         wu = self._maybe_trust(host, wu, siblings, now, plan)
         result = result.evolve(
             host_id=host.id,
