@@ -174,6 +174,7 @@ def test_the_demo_trains_and_leaves_no_process_behind(tmp_path):
     assert (directory / "checkpoints" / "step-000003.npz").exists()
     assert _processes_mentioning(str(directory)) == []
 
+
 def _processes_mentioning(text: str) -> list[str]:
     found = []
     for proc in Path("/proc").iterdir():
