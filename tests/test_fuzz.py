@@ -108,6 +108,7 @@ class Server:
         a = rng.standard_normal((48, 16)).astype(np.float32)
         b = rng.standard_normal((16, 48)).astype(np.float32)
         self.pending = asyncio.ensure_future(self.queue.matmul(a, b, label="fuzzed"))
+        await wait_until(lambda: self.co.ledger.unsent)  # published
         async with CoordinatorClient(self.url) as client:
             self.host_id = await client.register("fuzzer", threads=16)
             self.token = client.token
