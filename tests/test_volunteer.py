@@ -128,7 +128,8 @@ async def test_a_volunteer_killed_with_sigkill_has_its_work_redone_by_another(
     timed_out = committed(
         project, "SELECT wu_id FROM results WHERE host_id = 1 AND outcome = 'no_reply'"
     )
-    assert {w for (w,) in timed_out} == lost
+    # A result reported in the instant before the kill is done, not lost.
+    assert timed_out and {w for (w,) in timed_out} <= lost
     redone = committed(
         project, "SELECT wu_id FROM results WHERE host_id = 2 AND validate_state = 'valid'"
     )
@@ -153,7 +154,8 @@ async def test_a_corrupt_blob_is_rejected_and_reported_never_computed(tmp_path, 
         await wait_until(lambda: committed(project, query), timeout=60)
     finally:
         assert stop(volunteer) == 0
-    errors = [e for (e,) in committed(project, query)]
+    # Work still queued at the stop is abandoned and reported as such; the rest is the blob.
+    errors = [e for (e,) in committed(project, query) if e != "volunteer stopped"]
     assert all("corrupt blob" in e and bad.name in e for e in errors), errors
     used_bad = committed(
         project,
