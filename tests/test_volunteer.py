@@ -128,12 +128,12 @@ async def test_a_volunteer_killed_with_sigkill_has_its_work_redone_by_another(
     timed_out = committed(
         project, "SELECT wu_id FROM results WHERE host_id = 1 AND outcome = 'no_reply'"
     )
-    # A result reported in the instant before the kill is done, not lost.
-    assert timed_out and {w for (w,) in timed_out} <= lost
+    # Held work times out (more may have been assigned between our look and the kill).
+    assert timed_out
     redone = committed(
         project, "SELECT wu_id FROM results WHERE host_id = 2 AND validate_state = 'valid'"
     )
-    assert lost <= {w for (w,) in redone}
+    assert lost | {w for (w,) in timed_out} <= {w for (w,) in redone}
 
 
 async def test_a_corrupt_blob_is_rejected_and_reported_never_computed(tmp_path, job, reaper):
