@@ -16,7 +16,7 @@ from coordinator.project import MODELS, ProjectError
 from coordinator.project import create as create_project
 from coordinator.project import load as load_project
 from kernels import reference
-from volunteer.cli import log_format_option, option, volunteer
+from volunteer.cli import emulate, log_format_option, option, volunteer
 from volunteer.logsetup import configure as configure_logging
 
 
@@ -27,6 +27,7 @@ def main() -> None:
 
 
 main.add_command(volunteer)
+main.add_command(emulate)
 
 
 def _bits_equal(x: np.ndarray, y: np.ndarray) -> bool:

@@ -1,9 +1,10 @@
-"""`tilehive volunteer start|stop|status`: the volunteer daemon's command line."""
+"""`tilehive volunteer start|stop|status` and `tilehive emulate`: the volunteer's command line."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
 import os
 import select
@@ -16,7 +17,18 @@ from typing import Any
 import click
 
 from volunteer.daemon import NotEnoughMemory, Volunteer, VolunteerConfig, default_threads
+from volunteer.emulator import (
+    DEFAULT_REAL_FLOPS,
+    CoordinatorUnreachable,
+    EmulationReport,
+    check_url,
+    hints,
+    raise_file_limit,
+    run_emulation,
+)
 from volunteer.logsetup import configure as configure_logging
+from volunteer.profiles import ProfileError
+from volunteer.profiles import load as load_profile
 from volunteer.state import AlreadyRunning, StateDir, default_state_dir
 
 ENV_PREFIX = "TILEHIVE_"
@@ -303,3 +315,131 @@ def status(state_dir: Path, as_json: bool) -> None:
             )
     if pid is None:
         sys.exit(3)
+
+
+@click.command()
+@click.argument("url", envvar="TILEHIVE_URL")
+@option(
+    "--hosts",
+    type=click.IntRange(min=1, max=100_000),
+    default=100,
+    show_default=True,
+    help="Emulated volunteers to run in this process.",
+)
+@option(
+    "--profile",
+    default="mixed",
+    show_default=True,
+    help="phones, laptops, mixed, or a profile file (docs/emulator.md).",
+)
+@option("--duration", type=click.FloatRange(min=0.1), default=None, help="Seconds to run.")
+@option("--until-done", is_flag=True, help="Stop when the coordinator's training is done.")
+@option(
+    "--ramp",
+    type=click.FloatRange(min=0),
+    default=None,
+    show_default="1 s per 500 hosts",
+    help="Seconds over which hosts start.",
+)
+@option(
+    "--connections",
+    type=click.IntRange(min=1),
+    default=1000,
+    show_default=True,
+    help="Connections the shared pool may open to the coordinator.",
+)
+@option(
+    "--real-mflops",
+    type=click.FloatRange(min=0),
+    default=DEFAULT_REAL_FLOPS / 1e6,
+    show_default=True,
+    help="Tiles up to this size are computed by each host; larger ones once per work unit.",
+)
+@option("--compute-threads", type=click.IntRange(min=1), default=1, show_default=True)
+@option("--no-long-poll", is_flag=True, help="Never wait for work: latencies are service times.")
+@option("--seed", type=click.IntRange(min=0), default=None, help="Draw the same hosts again.")
+@option("--invite", default=None, help="The project's invite code, if it needs one.")
+@option(
+    "--interval",
+    type=click.FloatRange(min=0),
+    default=10.0,
+    show_default=True,
+    help="Seconds between progress lines (0: none).",
+)
+@option("--json", "as_json", is_flag=True, envvar="TILEHIVE_JSON", help="Print the report as JSON.")
+def emulate(
+    url: str,
+    hosts: int,
+    profile: str,
+    duration: float | None,
+    until_done: bool,
+    ramp: float | None,
+    connections: int,
+    real_mflops: float,
+    compute_threads: int,
+    no_long_poll: bool,
+    seed: int | None,
+    invite: str | None,
+    interval: float,
+    as_json: bool,
+) -> None:
+    """Run many emulated volunteers against the coordinator at URL, then summarize.
+
+    Each host speaks the real protocol; its speed, bandwidth, latency, sessions, errors and
+    lies are drawn from the profile. Runs for --duration, until --until-done, or Ctrl-C.
+    The project must allow the registrations: see docs/emulator.md."""
+    try:
+        check_url(url)
+    except ValueError as exc:
+        raise click.BadParameter(str(exc), param_hint="URL") from None
+    try:
+        chosen = load_profile(profile)
+    except ProfileError as exc:
+        raise click.BadParameter(str(exc), param_hint="--profile") from None
+    try:
+        raise_file_limit(connections + 256)
+    except ValueError as exc:
+        raise click.BadParameter(str(exc), param_hint="--connections") from None
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+
+    def show(report: EmulationReport) -> None:
+        click.echo(
+            f"[{report.seconds:6.0f}s] {report.online} online, {report.assigned} received, "
+            f"{report.reported} reported, {report.lies} lies, {report.error_count} errors",
+            err=True,
+        )
+
+    async def run() -> EmulationReport:
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, stop.set)
+        return await run_emulation(
+            url,
+            hosts,
+            chosen,
+            duration=duration,
+            stop=stop,
+            until_done=until_done,
+            ramp=ramp,
+            connections=connections,
+            real_flops=real_mflops * 1e6,
+            compute_threads=compute_threads,
+            seed=seed,
+            invite=invite,
+            progress=show if interval > 0 else None,
+            interval=interval or 10.0,
+            long_poll=not no_long_poll,
+        )
+
+    try:
+        report = asyncio.run(run())
+    except CoordinatorUnreachable as exc:
+        raise click.ClickException(str(exc)) from None
+    if as_json:
+        click.echo(json.dumps(report.to_dict(), indent=2))
+    else:
+        for line in report.lines():
+            click.echo(line)
+    for hint in hints(report):
+        click.echo(f"hint: {hint}", err=True)
