@@ -119,6 +119,7 @@ class EmulationReport:
     bytes_down: int = 0
     bytes_up: int = 0
     errors: dict[str, int] = field(default_factory=dict)
+    error_examples: dict[str, str] = field(default_factory=dict)
     quarantined_liars: int = 0
     latency: dict[str, dict[str, float]] = field(default_factory=dict)
     queued: dict[str, float] = field(default_factory=dict)  # waits for a pooled connection
@@ -179,6 +180,8 @@ class EmulationReport:
                 f"errors: {self.error_count}: "
                 + ", ".join(f"{k} x{v}" for k, v in sorted(self.errors.items()))
             )
+            for kind, example in sorted(self.error_examples.items()):
+                out.append(f"  {kind}, e.g.: {example}")
         else:
             out.append("errors: none")
         if self.quarantined_liars:
@@ -193,6 +196,7 @@ class Totals:
     counts: Counter = field(default_factory=Counter)
     requests: Counter = field(default_factory=Counter)
     errors: Counter = field(default_factory=Counter)
+    examples: dict[str, str] = field(default_factory=dict)  # the first message of each kind
     latencies: Latencies = field(default_factory=Latencies)
     queued: array = field(default_factory=lambda: array("d"))
     overrun: float = 0.0
@@ -266,6 +270,7 @@ class EmulatedHost:
         else:
             kind = f"{endpoint} {type(exc).__name__}"
         self.em.totals.errors[kind] += 1
+        self.em.totals.examples.setdefault(kind, str(exc)[:200])
 
     async def register(self) -> None:
         t = self.traits
@@ -495,11 +500,28 @@ class EmulatedHost:
             c["bytes_up"] += size
         self.pending = self.pending[len(batch) :]
 
-    async def leave(self, graceful: bool, timeout: float) -> None:
-        """End a session: report what is done and give back the rest, or just vanish."""
+    async def leave(self, graceful: bool, timeout: float, *, drain: bool = False) -> None:
+        """End a session: report what is done and give back the rest, or just vanish.
+        `drain` (the end of the emulation) first finishes the queued work, within
+        `timeout`, so that a whole crowd stopping at once does not hand back every tile
+        it was just given."""
+        counts = self.em.totals.counts
+        deadline = time.monotonic() + timeout
+        if graceful and drain:
+            try:
+                async with asyncio.timeout(timeout):
+                    while self.queue:
+                        await self._compute_next()
+                    while self.pending:
+                        await self._flush()
+            except (ServerRefused, aiohttp.ClientError, TimeoutError, OSError) as exc:
+                if not isinstance(exc, TimeoutError) or time.monotonic() < deadline:
+                    self._error("report", exc)
+            if self.computing:
+                self.queue.appendleft(Job({"result_id": self.computing}, 0.0, _done()))
+                self.computing = None
         for job in self.queue:
             job.operands.cancel()
-        counts = self.em.totals.counts
         if graceful:
             counts["abandoned"] += len(self.queue)
             self.pending += [
@@ -508,7 +530,7 @@ class EmulatedHost:
             ]
             self.queue.clear()
             try:
-                async with asyncio.timeout(timeout):
+                async with asyncio.timeout(max(1.0, deadline - time.monotonic())):
                     while self.pending:
                         await self._flush()
             except (ServerRefused, aiohttp.ClientError, TimeoutError, OSError) as exc:
@@ -517,6 +539,13 @@ class EmulatedHost:
         self.queue.clear()
         self.pending.clear()
         self.computing = None
+
+
+def _done() -> asyncio.Future:
+    """A finished future: the operands of a job that will only be given back."""
+    future = asyncio.get_running_loop().create_future()
+    future.set_result(None)
+    return future
 
 
 def falsify(tile: bytes, lie: str) -> bytes:
@@ -633,7 +662,9 @@ class Emulation:
                 finally:
                     self.totals.online -= 1
                 graceful = stop.is_set() or host.rng.random() < host.traits.graceful
-                await host.leave(graceful and not quarantined, self.stop_timeout)
+                await host.leave(
+                    graceful and not quarantined, self.stop_timeout, drain=stop.is_set()
+                )
                 if stop.is_set():
                     return
                 churn = quarantined or host.rng.random() < host.traits.churn
@@ -677,6 +708,7 @@ class Emulation:
             bytes_down=c["bytes_down"],
             bytes_up=c["bytes_up"],
             errors=dict(t.errors),
+            error_examples=dict(t.examples),
             quarantined_liars=c["quarantined_liars"],
             latency=t.latencies.summary(),
             queued={
@@ -814,7 +846,7 @@ async def run_emulation(
         ]
         try:
             await stop.wait()
-            _, late = await asyncio.wait(slots, timeout=stop_timeout + 5)
+            _, late = await asyncio.wait(slots, timeout=2 * stop_timeout + 5)
             for task in late:
                 task.cancel()
             await asyncio.gather(*slots, return_exceptions=True)
