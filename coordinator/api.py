@@ -18,6 +18,7 @@ from coordinator.protocol import (
     NotFound,
     ProtocolError,
     RequestTimeout,
+    StorageUnavailable,
     TooLarge,
     TooManyRequests,
     UnsupportedMediaType,
@@ -56,7 +57,7 @@ async def errors(request: web.Request, handler: Handler) -> web.StreamResponse:
             exc.message,
         )
         response = error_response(exc.status, exc.code, exc.message)
-        if isinstance(exc, TooManyRequests):
+        if isinstance(exc, (TooManyRequests, StorageUnavailable)):
             response.headers["Retry-After"] = str(max(1, math.ceil(exc.retry_after)))
         return response
     except web.HTTPRequestEntityTooLarge as exc:

@@ -31,6 +31,7 @@ from coordinator.protocol import (
     NotFound,
     RegisterRequest,
     ReportRequest,
+    StorageUnavailable,
     Unauthorized,
     WorkRequest,
     encode,
@@ -55,6 +56,8 @@ from coordinator.workunits import (
 from validation import validator
 
 log = logging.getLogger(__name__)
+
+STORAGE_RETRY = 5.0  # seconds a volunteer waits before resending a report the store refused
 
 REPLIES_KEPT_PER_HOST = 16
 PAUSED_DELAY = 5.0  # seconds a host waits before asking a paused project again
@@ -404,12 +407,17 @@ class Coordinator:
             elif entry.error is None and result.upload_tile and wu.state not in WU_DECIDED:
                 raise BadRequest(f"result {entry.result_id}: the assignment asked for the tile")
             checked.append((entry, result, wu, tile))
+        # Every tile is stored before any report is applied: when the blob store fails, the
+        # whole report is refused and none of it is half-done.
+        await self._store_tiles(
+            [
+                (entry.output_hash, tile)
+                for entry, result, _, tile in checked
+                if tile is not None and not self._reported(result)  # a replay stores nothing
+            ]
+        )
         summary: dict[str, list[str]] = {"accepted": [], "late": finished, "duplicate": []}
         for entry, result, wu, tile in checked:
-            current = self.ledger.results.get(result.id, result)
-            reported = current.outcome in (Outcome.SUCCESS, Outcome.CLIENT_ERROR)
-            if tile is not None and not reported:  # a replay stores nothing
-                await asyncio.to_thread(self.blobs.put, tile, entry.output_hash)
             summary[self._apply_report(host, entry, result, wu, tile is not None, now)].append(
                 entry.result_id
             )
@@ -417,6 +425,25 @@ class Coordinator:
         await self.ledger.flush()
         self.wake()
         return summary
+
+    def _reported(self, result: Result) -> bool:
+        current = self.ledger.results.get(result.id, result)
+        return current.outcome in (Outcome.SUCCESS, Outcome.CLIENT_ERROR)
+
+    async def _store_tiles(self, tiles: list[tuple[str, bytes]]) -> None:
+        def store() -> None:
+            for output_hash, tile in tiles:
+                self.blobs.put(tile, output_hash)
+
+        try:
+            await asyncio.to_thread(store)
+        except OSError as exc:
+            log.error("blob store %s cannot be written: %s", self.blobs.root, exc)
+            raise StorageUnavailable(
+                f"the coordinator cannot store tiles just now (blob store: {exc.strerror}); "
+                f"send the report again in {STORAGE_RETRY:.0f} s",
+                retry_after=STORAGE_RETRY,
+            ) from exc
 
     def _check_tile(self, wu: WorkUnit, result_id: str, claimed: str, tile: bytes) -> bytes:
         m, n, _ = wu.shape

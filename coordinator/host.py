@@ -12,7 +12,7 @@ from pathlib import Path
 
 from coordinator.access import AccessConfig
 from coordinator.api import serve
-from coordinator.engine import Coordinator, CoordinatorConfig
+from coordinator.engine import Coordinator, CoordinatorConfig, GemmFailed
 from coordinator.project import Project
 from coordinator.queue import WorkQueue
 from coordinator.scheduler import SchedulerConfig
@@ -83,7 +83,12 @@ async def host_project(project: Project, bind_host: str, port: int, keep_serving
     try:
         await asyncio.wait({training, stopper}, return_when=asyncio.FIRST_COMPLETED)
         if training.done():
-            training.result()
+            try:
+                training.result()
+            except (GemmFailed, OSError) as exc:
+                # The project's state is committed up to here: say what stopped, not where.
+                log.error("training stopped: %s", exc)
+                return 1
             log.info("training done: %d steps; checkpoints in %s", steps, project.checkpoints)
             coordinator.training["done"] = True
             if keep_serving:

@@ -81,6 +81,17 @@ class TooManyRequests(ProtocolError):
         self.retry_after = retry_after
 
 
+class StorageUnavailable(ProtocolError):
+    """The coordinator cannot write its blob store just now; the report is worth resending."""
+
+    status = 503
+    code = "storage_unavailable"
+
+    def __init__(self, message: str, retry_after: float) -> None:
+        super().__init__(message)
+        self.retry_after = retry_after
+
+
 class TooLarge(ProtocolError):
     """The body is over this endpoint's size limit."""
 

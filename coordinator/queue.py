@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 
 import numpy as np
@@ -21,6 +22,10 @@ from coordinator.workunits import (
     tile_workunit,
 )
 from kernels.checks import check_gemm_args
+
+log = logging.getLogger(__name__)
+
+STORAGE_RETRY_MAX = 30.0  # seconds between attempts to store operand panels, at most
 
 FILLED = (WuState.VALIDATED, WuState.ASSIMILATED)
 
@@ -169,7 +174,23 @@ class WorkQueue:
                 co.ledger.panel_bytes[panel_id] = co.blobs.size(panel_id)
             return ids[0], ids[1]
 
-        row_ids, col_ids = await asyncio.to_thread(store_panels)
+        delay = 1.0
+        while True:
+            try:
+                row_ids, col_ids = await asyncio.to_thread(store_panels)
+                break
+            except OSError as exc:
+                # Nothing of this GEMM is committed yet: waiting loses nothing, and the step
+                # goes on by itself once the operator has fixed the disk.
+                log.error(
+                    "blob store %s cannot be written (%s): step %d waits; retrying in %.0f s",
+                    co.blobs.root,
+                    exc,
+                    gemm.step,
+                    delay,
+                )
+                await asyncio.sleep(delay)
+                delay = min(2 * delay, STORAGE_RETRY_MAX)
         red = redundancy_for(config.policy, config.redundancy)
         co.ledger.put_gemm(gemm)
         now = gemm.created
