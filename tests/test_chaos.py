@@ -26,8 +26,8 @@ from tests.test_training import checkpoint_bits, make_pair, start_coordinator
 from tests.volunteers import wait_until
 from volunteer.client import CoordinatorClient, ServerRefused, compute_tile
 
-# Several minutes on 2 cores: run with --runslow.
-pytestmark = pytest.mark.slow
+# One fast variant of each fault runs by default; the long variants (marked slow, several
+# minutes on 2 cores) run with --runslow.
 
 
 RUN_TIMEOUT = 240  # seconds for one distributed training run
