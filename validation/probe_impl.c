@@ -28,6 +28,8 @@ typedef struct {
     ptrdiff_t p;
     ptrdiff_t q;
     int trans;
+    const float *next; /* the matrix the check reads next (prefetched near the end), or NULL */
+    ptrdiff_t next_len; /* its length in floats */
 } th_matrix;
 
 /* One pass.  x is Q x r (row q holds round 0..r-1), w has Q entries, out is P x r, sums has P.
@@ -105,6 +107,33 @@ static void pack_probes(const double *x, ptrdiff_t Q, int r, int t0, int rc, dou
             xt[(q / TH_LANES * rc + t) * TH_LANES + q % TH_LANES] = q < Q ? x[q * r + t0 + t] : 0.0;
 }
 
+/* Software prefetch.  A row sweep reads several rows at once (each 2 KiB at 512 wide), a
+ * column sweep strides down the matrix, and the hardware prefetchers, which stop at every
+ * 4 KiB page, left a check whose operands were not in cache waiting on memory: twice as slow
+ * as with this prefetch at 512^3 (docs/performance.md).  Each sweep prefetches what it will
+ * read th_lead(floats) steps later, where a step reads `floats` values: at least
+ * TH_PF_FLOATS (8 KiB) ahead; near the end of a matrix, the start of the next one.  Prefetch
+ * changes no arithmetic. */
+#define TH_PF_FLOATS 2048
+#define TH_PF_HINT _MM_HINT_T0
+
+static inline ptrdiff_t th_lead(ptrdiff_t floats)
+{
+    return floats >= TH_PF_FLOATS || floats <= 0 ? 1 : (TH_PF_FLOATS + floats - 1) / floats;
+}
+
+/* Where to prefetch `len` floats from row p of a row sweep: in M, or past its end at the
+ * start of the matrix the check reads next; NULL if neither holds them all. */
+static inline const float *th_ahead(th_matrix mt, ptrdiff_t p, ptrdiff_t len)
+{
+    const ptrdiff_t at = p * mt.q, size = mt.p * mt.q;
+    if (at + len <= size)
+        return mt.m + at;
+    if (mt.next != NULL && at >= size && at - size + len <= mt.next_len)
+        return mt.next + (at - size);
+    return NULL;
+}
+
 #define TH_AVX512 __attribute__((target("avx512f")))
 #define TH_AVX512_INLINE static inline __attribute__((always_inline, target("avx512f")))
 
@@ -144,7 +173,8 @@ TH_AVX512_INLINE void rows_step512(const __m512d *v, const int nr, const double 
 /* Rows [p, p+nr) for rounds [t0, t0+rc) over the contiguous index.  xt holds those rounds'
  * probes block by block (8 terms x rc rounds), zero past the end. */
 TH_AVX512_INLINE void rows512(th_matrix mt, ptrdiff_t p, const int nr, const double *xt, int r,
-                              int t0, const int rc, const double *w, double *out, double *sums)
+                              int t0, const int rc, const double *w, double *out, double *sums,
+                              const float *pf)
 {
     const ptrdiff_t Q = mt.q, full = Q / TH_LANES * TH_LANES;
     const float *row = mt.m + p * Q;
@@ -158,6 +188,11 @@ TH_AVX512_INLINE void rows512(th_matrix mt, ptrdiff_t p, const int nr, const dou
     }
     const double *xb = xt;
     for (ptrdiff_t q = 0; q < full; q += TH_LANES, xb += TH_LANES * rc) {
+        if (pf != NULL && (q & 15) == 0) { /* one prefetch per cache line of each row */
+#pragma GCC unroll 4
+            for (int i = 0; i < nr; i++)
+                _mm_prefetch((const char *)(pf + i * Q + q), TH_PF_HINT);
+        }
 #pragma GCC unroll 4
         for (int i = 0; i < nr; i++)
             v[i] = _mm512_cvtps_pd(_mm256_loadu_ps(row + i * Q + q));
@@ -186,11 +221,12 @@ TH_AVX512_INLINE void all_rows512(th_matrix mt, const double *xt, int r, int t0,
                                   const double *w, double *out, double *sums)
 {
     const int nr = TH_ROWS_FOR(rc); /* rows that share each probe load */
+    const ptrdiff_t ahead = nr * th_lead(nr * mt.q);
     ptrdiff_t p = 0;
     for (; p + nr <= mt.p; p += nr)
-        rows512(mt, p, nr, xt, r, t0, rc, w, out, sums);
+        rows512(mt, p, nr, xt, r, t0, rc, w, out, sums, th_ahead(mt, p + ahead, nr * mt.q));
     for (; p < mt.p; p++)
-        rows512(mt, p, 1, xt, r, t0, rc, w, out, sums);
+        rows512(mt, p, 1, xt, r, t0, rc, w, out, sums, NULL);
 }
 
 /* Rows [q0, q1) of M for rounds [t0, t0+rc) over the row index: nb blocks of 16 outputs p
@@ -199,7 +235,8 @@ TH_AVX512_INLINE void all_rows512(th_matrix mt, const double *xt, int r, int t0,
  * masked off and read as 0. */
 TH_AVX512_INLINE void cols512(th_matrix mt, ptrdiff_t p0, const int nb, ptrdiff_t q0,
                               ptrdiff_t q1, const double *x, int r, int t0, const int rc,
-                              const int with_abs, const double *w, double *state)
+                              const int with_abs, const double *w, double *state,
+                              ptrdiff_t ahead)
 {
     const ptrdiff_t P = mt.p;
     __mmask16 k[2];
@@ -217,6 +254,13 @@ TH_AVX512_INLINE void cols512(th_matrix mt, ptrdiff_t p0, const int nb, ptrdiff_
             acc[i][t] = _mm512_loadu_pd(state + (i * (TH_RC + 1) + t) * 8);
     }
     for (ptrdiff_t q = q0; q < q1; q++) {
+        if (q + ahead < mt.q) { /* the same columns of a row of a later chunk */
+#pragma GCC unroll 2
+            for (int b = 0; b < nb; b++)
+                if (k[b])
+                    _mm_prefetch((const char *)(mt.m + (q + ahead) * P + p0 + 16 * b),
+                                 TH_PF_HINT);
+        }
 #pragma GCC unroll 2
         for (int b = 0; b < nb; b++) {
             const __m512 f = _mm512_maskz_loadu_ps(k[b], mt.m + q * P + p0 + 16 * b);
@@ -258,11 +302,12 @@ TH_AVX512_INLINE void all_cols512(th_matrix mt, const double *x, int r, int t0, 
     const int nb = TH_BLOCKS_FOR(rc);
     const ptrdiff_t width = 16 * nb, per_block = 2 * nb * (TH_RC + 1) * 8;
     const ptrdiff_t blocks = (mt.p + width - 1) / width;
+    const ptrdiff_t ahead = TH_QC * th_lead(TH_QC * mt.p); /* rows: whole chunks ahead */
     memset(state, 0, (size_t)(blocks * per_block) * sizeof(double));
     for (ptrdiff_t q0 = 0; q0 < mt.q; q0 += TH_QC)
         for (ptrdiff_t b = 0; b < blocks; b++)
             cols512(mt, b * width, nb, q0, min_idx(mt.q, q0 + TH_QC), x, r, t0, rc,
-                    sums != NULL, w, state + b * per_block);
+                    sums != NULL, w, state + b * per_block, ahead);
     for (ptrdiff_t p = 0; p < mt.p; p++) { /* lane p % 8 of vector p / 8 */
         const double *sp = state + (p / 8) * (TH_RC + 1) * 8 + p % 8;
         for (int t = 0; t < rc; t++)
@@ -361,16 +406,20 @@ TH_AVX2_INLINE void rows_step256(const float *f, const double *xb, const int rc,
 TH_AVX2_INLINE void rows256(th_matrix mt, const double *xt, int r, int t0, const int rc,
                             const double *w, double *out, double *sums)
 {
-    const ptrdiff_t Q = mt.q, full = Q / TH_LANES * TH_LANES;
+    const ptrdiff_t Q = mt.q, full = Q / TH_LANES * TH_LANES, ahead = th_lead(Q);
     for (ptrdiff_t p = 0; p < mt.p; p++) {
         const float *row = mt.m + p * Q;
+        const float *pf = p + ahead < mt.p ? row + ahead * Q : NULL;
         __m256d acc[TH_RC2][2], abs_acc[2] = {_mm256_setzero_pd(), _mm256_setzero_pd()};
 #pragma GCC unroll 4
         for (int t = 0; t < rc; t++)
             acc[t][0] = acc[t][1] = _mm256_setzero_pd();
         const double *xb = xt;
-        for (ptrdiff_t q = 0; q < full; q += TH_LANES, xb += TH_LANES * rc)
+        for (ptrdiff_t q = 0; q < full; q += TH_LANES, xb += TH_LANES * rc) {
+            if (pf != NULL && (q & 15) == 0)
+                _mm_prefetch((const char *)(pf + q), TH_PF_HINT);
             rows_step256(row + q, xb, rc, sums != NULL, w + q, acc, abs_acc);
+        }
         if (full < Q) {
             float f[TH_LANES] = {0};
             double wq[TH_LANES] = {0};
@@ -570,7 +619,8 @@ int th_freivalds(const float *a, const float *b, const float *c, ptrdiff_t m, pt
     for (ptrdiff_t j = 0; j < n; j++)
         ones[j] = 1.0;
 
-    const th_matrix am = {a, m, k, trans_a}, bm = {b, k, n, trans_b}, cm = {c, m, n, 0};
+    const th_matrix am = {a, m, k, trans_a, NULL, 0}, cm = {c, m, n, 0, a, m * k},
+                    bm = {b, k, n, trans_b, c, m * n};
     pass(bm, x, r, ones, y, w, xt); /* y = op(B) x, w = |op(B)| 1 */
     pass(cm, x, r, ones, cx, NULL, xt); /* Cx; |C| is not needed (docs/validation.md) */
     /* A NaN or infinity in B reaches w, in C every round of Cx, in A (once w is finite) z. */
