@@ -1,6 +1,6 @@
 """Kernel benchmark: our deterministic sgemm vs numpy/OpenBLAS, and Freivalds' share.
 
-Run:  .venv/bin/python benchmarks/kernels.py [--markdown] [--repeats N]
+Run:  .venv/bin/python benchmarks/kernels.py [--repeats N] [--rounds R] [--only SHAPE]
 
 Every row is measured side by side in one process. OpenBLAS is measured with its best kernel
 for this CPU: if OPENBLAS_CORETYPE / OPENBLAS_L2_SIZE are set (some machines pin an older
@@ -35,6 +35,8 @@ try:
     from validation import freivalds
 except ImportError:  # before the validation package lands
     freivalds = None
+
+ROUNDS = freivalds.DEFAULT_ROUNDS if freivalds is not None else 0  # --rounds sets it
 
 SHAPES = [  # (m, n, k, trans_a, trans_b, label)
     (128, 128, 128, False, False, "square"),
@@ -88,6 +90,7 @@ def measure_row(
     trans_b: bool,
     label: str,
     repeats: int,
+    pool_bytes: int,
 ) -> dict:
     a = rng.standard_normal((k, m) if trans_a else (m, k)).astype(np.float32)
     b = rng.standard_normal((n, k) if trans_b else (k, n)).astype(np.float32)
@@ -107,25 +110,86 @@ def measure_row(
     # OpenBLAS's threads spin for a while after a call; let them park before we measure on.
     time.sleep(0.5)
     if freivalds is not None:
-        c = kernels.gemm(a, b, **flags)
-        key = bytes(range(32))
-
-        def verify():
-            return freivalds.verify(a, b, c, key=key, wu_id="bench", **flags)
-
-        def compute():
-            return kernels.gemm(a, b, out=out, **flags)
-
-        cold, compute_time = interleaved_medians(verify, compute, max(repeats, 21))
-        warm = median_time(verify, max(repeats, 21))
-        row["freivalds"] = cold / compute_time
-        row["freivalds_warm"] = warm / compute_time
+        row.update(measure_freivalds(rng, a, b, flags, repeats, pool_bytes))
     return row
 
 
-def measure(repeats: int) -> list[dict]:
+def last_level_cache() -> int:
+    """Bytes of the largest CPU cache (sysfs), or 32 MiB when the system does not say."""
+    sizes = []
+    for index in range(8):
+        try:
+            with open(f"/sys/devices/system/cpu/cpu0/cache/index{index}/size") as f:
+                text = f.read().strip()
+        except OSError:
+            continue
+        scale = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(text[-1:], 1)
+        sizes.append(int(text.rstrip("KMG") or 0) * scale)
+    return max(sizes, default=32 << 20)
+
+
+def measure_freivalds(rng, a, b, flags, repeats: int, pool_bytes: int) -> dict:
+    """Check time over 1-thread product time (the check runs on one thread), three ways.
+
+    warm: each timed back to back on one tile, its operands in cache.
+    cold: each call on the next tile of a pool of distinct tiles whose operands (a, b, c)
+      add up to pool_bytes (twice the last-level cache), so every operand comes from memory
+      while the code stays warm, as on a validator checking a stream of tiles; the checks
+      and the products are timed in separate loops (alternating blocks), so that neither
+      pays for the other's traffic.
+    alternating: check and product timed alternately on one tile (this file's "cold" before
+      2026-11-22): the check finds the operands wherever the product left them (partly
+      evicted by time and the product's own writes), the product finds them warm.
+    """
+    key = bytes(range(32))
+    reps = max(repeats, 21)
+
+    def tile(a, b):
+        c = kernels.gemm(a, b, **flags)
+        return a, b, c, np.empty_like(c)
+
+    def verify(t):
+        return freivalds.verify(t[0], t[1], t[2], key=key, wu_id="bench", rounds=ROUNDS, **flags)
+
+    def compute(t):
+        return kernels.gemm(t[0], t[1], out=t[3], **flags)
+
+    first = tile(a, b)
+    count = max(3, -(-pool_bytes // sum(x.nbytes for x in first[:3])))
+    pool = [first] + [
+        tile(
+            rng.standard_normal(a.shape).astype(np.float32),
+            rng.standard_normal(b.shape).astype(np.float32),
+        )
+        for _ in range(count - 1)
+    ]
+    warm_check = median_time(lambda: verify(first), reps)
+    warm_compute = median_time(lambda: compute(first), reps)
+    cold: tuple[list[float], list[float]] = ([], [])
+    for _ in range(2):
+        for fn, bucket in ((verify, cold[0]), (compute, cold[1])):
+            for i in range(max(reps, count)):
+                t = pool[i % count]
+                start = time.perf_counter()
+                fn(t)
+                bucket.append(time.perf_counter() - start)
+    cold_check, cold_compute = statistics.median(cold[0]), statistics.median(cold[1])
+    alt_check, alt_compute = interleaved_medians(
+        lambda: verify(first), lambda: compute(first), reps
+    )
+    return {
+        "freivalds_warm": warm_check / warm_compute,
+        "freivalds": cold_check / cold_compute,
+        "freivalds_alt": alt_check / alt_compute,
+        "check_ms": (warm_check * 1e3, cold_check * 1e3),
+        "compute_ms": (warm_compute * 1e3, cold_compute * 1e3),
+    }
+
+
+def measure(repeats: int, pool_bytes: int, only: str | None = None) -> list[dict]:
     rng = np.random.default_rng(0)
-    return [measure_row(rng, *shape, repeats) for shape in SHAPES]
+    shapes = [s for s in SHAPES if only is None or only in f"{s[0]}x{s[1]}x{s[2]} {s[5]}"]
+    return [measure_row(rng, *shape, repeats, pool_bytes) for shape in shapes]
 
 
 def machine() -> str:
@@ -150,14 +214,15 @@ def machine() -> str:
 def table(rows: list[dict]) -> str:
     lines = [
         "| shape (m x n x k) | ours 1t GFLOPS | numpy 1t | ratio 1t | ours 2t | numpy 2t "
-        "| ratio 2t | ours 2t/1t | Freivalds / compute, warm | cold |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "| ratio 2t | ours 2t/1t | Freivalds / compute: warm | cold | alternating |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in rows:
         frei = (
-            f"{100 * r['freivalds_warm']:.1f}% | {100 * r['freivalds']:.1f}%"
+            f"{100 * r['freivalds_warm']:.1f}% | {100 * r['freivalds']:.1f}% | "
+            f"{100 * r['freivalds_alt']:.1f}%"
             if "freivalds" in r
-            else "n/a | n/a"
+            else "n/a | n/a | n/a"
         )
         lines.append(
             f"| {r['shape']} | {r['ours_1']:.1f} | {r['numpy_1']:.1f} | "
@@ -167,17 +232,48 @@ def table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def times(rows: list[dict]) -> str:
+    lines = [
+        "| shape | check warm ms | check cold ms | 1t product warm ms | 1t product cold ms |",
+        "|---|---:|---:|---:|---:|",
+    ]
+    for r in rows:
+        if "check_ms" in r:
+            (cw, cc), (pw, pc) = r["check_ms"], r["compute_ms"]
+            lines.append(f"| {r['shape']} | {cw:.3f} | {cc:.3f} | {pw:.3f} | {pc:.3f} |")
+    return "\n".join(lines)
+
+
 def main() -> None:
+    global ROUNDS
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=7, help="timed runs per cell (best of)")
+    parser.add_argument(
+        "--pool-mb",
+        type=int,
+        default=None,
+        help="tiles cycled through for the cold Freivalds figure (default: twice the "
+        "last-level cache)",
+    )
+    parser.add_argument(
+        "--rounds", type=int, default=ROUNDS, help="Freivalds rounds (default: DEFAULT_ROUNDS)"
+    )
+    parser.add_argument("--only", help="measure only the shapes whose name contains this")
     args = parser.parse_args()
+    ROUNDS = args.rounds
+    pool_bytes = (args.pool_mb << 20) if args.pool_mb else 2 * last_level_cache()
     print(f"Machine: {machine()}\n")
-    print(table(measure(args.repeats)))
+    rows = measure(args.repeats, pool_bytes, args.only)
+    print(table(rows))
+    print()
+    print(times(rows))
     print(
-        "\nGFLOPS = 2mnk / best-of-N wall time; ratio = ours / numpy at the same thread count; "
-        "Freivalds / compute = median verify time (default rounds) / median 1-thread gemm time; "
-        "warm: verify timed back to back (operands in cache), cold: verify and gemm timed "
-        "alternately (the gemm evicts the operands, as on a validator reading tiles from disk)."
+        "\nGFLOPS = 2mnk / best-of-N wall time; ratio = ours / numpy at the same thread count. "
+        f"Freivalds / compute = median verify time ({ROUNDS} rounds, one thread) / median "
+        "1-thread gemm time under the same cache condition: warm = each timed back to back "
+        f"on one tile; cold = each call on the next tile of a pool of {pool_bytes >> 20} MiB "
+        "of operands (from memory, code warm); alternating = verify and gemm timed "
+        "alternately on one tile."
     )
 
 
