@@ -197,6 +197,17 @@ async def admin_host(request: web.Request) -> web.Response:
     return msgpack_response({"host_id": host.id, "quarantined": host.quarantined})
 
 
+async def admin_cancel_step(request: web.Request) -> web.Response:
+    co = request.app[COORDINATOR]
+    co.access.check_admin(bearer(request))
+    try:
+        step = int(request.match_info["step"])
+    except ValueError as exc:
+        raise protocol.BadRequest("step must be an integer") from exc
+    counts = await co.cancel_step(step, time.time())
+    return msgpack_response({"step": step, **counts})
+
+
 def create_app(coordinator: Coordinator) -> web.Application:
     """The aiohttp application; the coordinator starts and stops with it."""
     app = web.Application(
@@ -218,6 +229,7 @@ def create_app(coordinator: Coordinator) -> web.Application:
     app.router.add_get("/v1/status", status)
     app.router.add_post("/v1/admin/{action:pause|resume}", admin_pause)
     app.router.add_post("/v1/admin/hosts/{host_id}/{action:quarantine|release}", admin_host)
+    app.router.add_post("/v1/admin/steps/{step}/cancel", admin_cancel_step)
     app.router.add_get("/metrics", metrics)
     app.router.add_get("/", dashboard_page)
     return app

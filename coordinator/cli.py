@@ -444,7 +444,8 @@ def status_lines(where: str, s: dict) -> list[str]:
 
 @main.group()
 def admin() -> None:
-    """Operate a running coordinator: pause, resume, quarantine or release a host."""
+    """Operate a running coordinator: pause, resume, quarantine or release a host, cancel a
+    step."""
 
 
 admin_options = [
@@ -530,6 +531,19 @@ def release(url, project_dir, admin_token, host) -> None:
     """Let HOST work again, starting with no trust and a quota of one."""
     _admin_call(url, f"/v1/admin/hosts/{host}/release", project_dir, admin_token)
     click.echo(f"host {host} released")
+
+
+@admin.command("cancel-step")
+@with_admin_options
+@click.argument("step", type=click.IntRange(min=0))
+def cancel_step(url, project_dir, admin_token, step) -> None:
+    """Stop STEP's products: its work is dropped or aborted and training stops; running the
+    coordinator again starts the step over from the last checkpoint."""
+    counts = _admin_call(url, f"/v1/admin/steps/{step}/cancel", project_dir, admin_token)
+    click.echo(
+        f"step {step} cancelled: {counts['gemms']} products, {counts['workunits']} work units, "
+        f"{counts['aborted']} results in progress aborted"
+    )
 
 
 if __name__ == "__main__":

@@ -51,6 +51,7 @@ from coordinator.workunits import (
     Result,
     ServerState,
     WorkUnit,
+    WuError,
     WuState,
 )
 from validation import validator
@@ -141,6 +142,7 @@ class Coordinator:
         self.access = Access(config.access, admin_token(self.directory))
         self.paused = False  # set by the operator: no new work goes out
         self.outputs: dict[str, GemmOutput] = {}
+        self.failed_here: set[str] = set()  # GEMMs that failed in this run: not retried
         self._replies: dict[int, OrderedDict[str, bytes]] = {}
         self._checks: dict[str, validator.Check] = {}
         self._to_validate: set[str] = set()
@@ -800,11 +802,75 @@ class Coordinator:
             f"{wu.id[:12]} [{wu.i0}:{wu.i1}, {wu.j0}:{wu.j1}]: {reason}"
         )
         log.error(message)
-        self.ledger.put_gemm(gemm.evolve(state=GemmState.FAILED, error=message))
         self.ledger.log([Event(now, "gemm", "failed", message, gemm.step, gemm.id, wu.id)])
+        self._mark_failed(gemm, message)
+
+    def _mark_failed(self, gemm: Gemm, message: str) -> None:
+        self.ledger.put_gemm(gemm.evolve(state=GemmState.FAILED, error=message))
+        self.failed_here.add(gemm.id)
         output = self.outputs.pop(gemm.id, None)
         if output is not None and not output.done.done():
             output.done.set_exception(GemmFailed(message))
+
+    async def cancel_step(self, step: int, now: float) -> dict[str, int]:
+        """Stop every product of `step` still being computed: its unsent work is dropped, the
+        volunteers holding its work are told to abort it, and whoever waits for a product
+        (the training loop) gets GemmFailed. A restarted coordinator runs the step again."""
+        gemms = [
+            g for g in self.ledger.gemms.values() if g.step == step and g.state is GemmState.ACTIVE
+        ]
+        if not gemms:
+            raise NotFound(f"step {step} has no products being computed")
+        message = f"step {step} cancelled by the operator"
+        counts = {"gemms": len(gemms), "workunits": 0, "aborted": 0}
+        for gemm in gemms:
+            for wu in self.ledger.workunits_for(gemm.id):
+                if wu.state in WU_DECIDED:
+                    continue
+                counts["workunits"] += 1
+                counts["aborted"] += self._cancel_workunit(wu, message, now)
+            self.ledger.log([Event(now, "gemm", "cancelled", message, gemm.step, gemm.id)])
+            self._mark_failed(gemm, message)
+        log.warning(
+            "%s: %d products, %d work units dropped, %d results in progress aborted",
+            message,
+            *counts.values(),
+        )
+        await self.ledger.flush()
+        return counts
+
+    def _cancel_workunit(self, wu: WorkUnit, message: str, now: float) -> int:
+        """Returns how many results in progress were aborted."""
+        aborted = 0
+        for r in self.ledger.results_for(wu.id):
+            if r.server_state is ServerState.UNSENT:
+                outcome = Outcome.DIDNT_NEED
+            elif r.server_state is ServerState.IN_PROGRESS:
+                outcome = Outcome.ABORTED
+                aborted += 1
+            else:
+                continue
+            self.ledger.put_result(r.evolve(server_state=ServerState.OVER, outcome=outcome))
+            self.ledger.log(
+                [
+                    Event(
+                        now,
+                        "result",
+                        outcome.value,
+                        message,
+                        wu.step,
+                        wu.gemm_id,
+                        wu.id,
+                        r.id,
+                        r.host_id,
+                    )
+                ]
+            )
+        self.ledger.put_wu(
+            wu.evolve(state=WuState.ERROR, error_mask=wu.error_mask | WuError.CANCELLED)
+        )
+        self.ledger.log([Event(now, "wu", "cancelled", message, wu.step, wu.gemm_id, wu.id)])
+        return aborted
 
     def _accelerate_tails(self, now: float) -> None:
         """Spare replicas for the last work units of a GEMM that is nearly done."""

@@ -87,7 +87,11 @@ async def host_project(project: Project, bind_host: str, port: int, keep_serving
                 training.result()
             except (GemmFailed, OSError) as exc:
                 # The project's state is committed up to here: say what stopped, not where.
-                log.error("training stopped: %s", exc)
+                log.error(
+                    "training stopped: %s; run the same command again to go on from the last "
+                    "checkpoint",
+                    exc,
+                )
                 return 1
             log.info("training done: %d steps; checkpoints in %s", steps, project.checkpoints)
             coordinator.training["done"] = True

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import time
+from collections.abc import Callable
 
 import numpy as np
 
@@ -76,7 +78,8 @@ class WorkQueue:
         if m == 0 or n == 0 or k == 0:
             return kernels.gemm(a, b, trans_a=trans_a, trans_b=trans_b)
         a_id, b_id = await asyncio.to_thread(lambda: (kernels.array_id(a), kernels.array_id(b)))
-        gid = gemm_id(
+        describe = functools.partial(
+            gemm_id,
             step=step,
             label=label,
             a_id=a_id,
@@ -87,6 +90,7 @@ class WorkQueue:
             policy=config.policy,
             kernel_version=kernels.KERNEL_VERSION,
         )
+        gid = await self._attempt(describe)
         if gid in co.outputs:
             result = await asyncio.shield(co.outputs[gid].done)
             return result.copy()
@@ -157,6 +161,29 @@ class WorkQueue:
         co.wake()
         result = await asyncio.shield(output.done)
         return result
+
+    async def _attempt(self, describe: Callable[..., str]) -> str:
+        """The id of this product's current attempt.
+
+        A product that failed (or whose step was cancelled) in an earlier run of the
+        coordinator is run again as a new GEMM; one that failed in this run stays failed, so
+        its caller hears why instead of the work starting over behind its back."""
+        co = self.coordinator
+        attempt = 0
+        while True:
+            gid = describe(attempt=attempt)
+            if gid in co.outputs or gid in co.failed_here:
+                return gid
+            gemm = co.ledger.gemms.get(gid) or await co.store.gemm(gid)
+            if gemm is None or gemm.state is not GemmState.FAILED:
+                return gid
+            attempt += 1
+            log.info(
+                "step %d: %s failed in an earlier run; running it again (attempt %d)",
+                gemm.step,
+                gemm.label or f"GEMM {gid[:12]}",
+                attempt + 1,
+            )
 
     def _fill(self, out: np.ndarray, wus: list[WorkUnit]) -> None:
         for wu in wus:

@@ -50,6 +50,7 @@ class WuError(enum.IntFlag):
     TOO_MANY_ERRORS = 2
     TOO_MANY_SUCCESS = 4  # BOINC: too many successes without a quorum
     TOO_MANY_TOTAL = 8
+    CANCELLED = 16  # the operator cancelled its step
 
 
 class ServerState(enum.StrEnum):
@@ -216,22 +217,26 @@ def gemm_id(
     tile: int,
     policy: Policy,
     kernel_version: int,
+    attempt: int = 0,
 ) -> str:
-    """The content id of a product: the same inputs always name the same GEMM."""
-    return canonical_id(
-        "gemm",
-        {
-            "step": step,
-            "label": label,
-            "a": a_id,
-            "b": b_id,
-            "trans_a": trans_a,
-            "trans_b": trans_b,
-            "tile": tile,
-            "policy": policy.value,
-            "kernel_version": kernel_version,
-        },
-    )
+    """The content id of a product: the same inputs always name the same GEMM.
+
+    `attempt` counts earlier runs of the same product that failed or were cancelled: a retry
+    is a new GEMM with new work units, so nothing of the failed one is reused."""
+    fields = {
+        "step": step,
+        "label": label,
+        "a": a_id,
+        "b": b_id,
+        "trans_a": trans_a,
+        "trans_b": trans_b,
+        "tile": tile,
+        "policy": policy.value,
+        "kernel_version": kernel_version,
+    }
+    if attempt:
+        fields["attempt"] = attempt
+    return canonical_id("gemm", fields)
 
 
 def workunit_id(

@@ -10,6 +10,7 @@ import pytest
 
 import kernels
 from coordinator.access import AccessConfig
+from coordinator.engine import GemmFailed
 from coordinator.workunits import Policy
 from tests.conftest import bits, operands
 from tests.procs import tilehive
@@ -55,6 +56,43 @@ async def test_the_admin_token_pauses_resumes_and_quarantines(tmp_path, rng):
         assert [e.state for e in events] == ["paused", "resumed"]
 
 
+async def test_cancelling_a_step_aborts_its_work_and_a_restart_runs_it_again(tmp_path, rng):
+    a, b = operands(rng, 32, 32, 8, False, False)
+    async with running(tmp_path, tile=16) as (co, queue, url):
+        token = (tmp_path / "project" / "admin.token").read_text().strip()
+        product = asyncio.ensure_future(queue.matmul(a, b, step=3, label="w"))
+        await wait_until(lambda: co.ledger.unsent)
+        async with CoordinatorClient(url) as client:
+            await client.register("h")
+            held = (await client.request_work("r1", capacity=1))["assignments"]
+            assert (await admin(client, "/v1/admin/steps/3/cancel", client.token))[0] == 401
+            assert (await admin(client, "/v1/admin/steps/x/cancel", token))[0] == 400
+            assert (await admin(client, "/v1/admin/steps/4/cancel", token))[0] == 404
+            status, counts = await admin(client, "/v1/admin/steps/3/cancel", token)
+            assert status == 200
+            assert counts == {"step": 3, "gemms": 1, "workunits": 4, "aborted": 1}
+            with pytest.raises(GemmFailed, match="step 3 cancelled by the operator"):
+                await product
+            # The host holding the cancelled work is told to drop it, and gets no more.
+            again = await client.request_work(
+                "r2", capacity=4, in_progress=[held[0]["result_id"]], wait=False
+            )
+            assert again["abort"] == [held[0]["result_id"]] and again["assignments"] == []
+            assert (await admin(client, "/v1/admin/steps/3/cancel", token))[0] == 404
+        # In the same run the product stays failed: its caller hears why.
+        with pytest.raises(GemmFailed, match="cancelled"):
+            await queue.matmul(a, b, step=3, label="w")
+        assert [e.state for e in await co.store.events(kind="gemm")] == ["created", "cancelled"]
+        assert [e.state for e in await co.store.events(kind="wu")].count("cancelled") == 4
+    # A restarted coordinator runs the step again as a new product, bitwise equal.
+    async with (
+        running(tmp_path, tile=16) as (co, queue, url),
+        volunteers(url, [Behaviour()] * 2) as crew,
+    ):
+        got = await crew.finish(queue.matmul(a, b, step=3, label="w"))
+    assert np.array_equal(bits(got), bits(kernels.gemm(a, b)))
+
+
 async def test_the_admin_command_line(tmp_path):
     async with running(tmp_path, tile=16) as (co, _, url):
         project = str(tmp_path / "project")
@@ -64,6 +102,10 @@ async def test_the_admin_command_line(tmp_path):
         assert done.returncode == 1 and "401" in done.stderr and co.paused
         done = await asyncio.to_thread(tilehive, "admin", "resume", url)
         assert done.returncode == 2 and "--project" in done.stderr
+        done = await asyncio.to_thread(
+            tilehive, "admin", "cancel-step", url, "7", "--project", project
+        )
+        assert done.returncode == 1 and "404: step 7 has no products" in done.stderr
 
 
 async def test_an_invite_code_guards_registration(tmp_path):

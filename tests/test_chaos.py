@@ -20,7 +20,7 @@ import pytest
 
 from coordinator.workunits import Policy
 from tests.conftest import operands
-from tests.procs import committed, free_port, start_volunteer, stop
+from tests.procs import committed, free_port, start_volunteer, stop, tilehive
 from tests.test_coordinator_e2e import running
 from tests.test_training import checkpoint_bits, make_pair, start_coordinator
 from tests.volunteers import wait_until
@@ -222,6 +222,41 @@ async def test_a_coordinator_killed_in_five_steps_out_of_eight_resumes_bitwise_e
     tmp_path, reaper
 ):
     await kill_coordinator_mid_steps(tmp_path, reaper, steps=8, kill_in=[1, 3, 4, 6, 8])
+
+
+# ---- the operator cancels a step ---------------------------------------------------------
+
+
+async def test_a_cancelled_step_stops_training_and_a_restart_runs_it_again_bitwise_equal(
+    tmp_path, reaper
+):
+    steps = 3
+    local, remote = make_pair(tmp_path, steps, **settings(**{"training.checkpoint_every": 1}))
+    port = free_port()
+    url, log = f"http://127.0.0.1:{port}", tmp_path / "coordinator.log"
+    crew = [reaper(start_volunteer(url, tmp_path / f"v{i}")) for i in range(2)]
+    try:
+        coordinator = reaper(start_coordinator(remote, port, log))
+        await wait_until(lambda: started(remote, 2), timeout=RUN_TIMEOUT)
+        cancelled = await asyncio.to_thread(
+            tilehive, "admin", "cancel-step", url, "2", "--project", str(remote)
+        )
+        assert cancelled.returncode == 0, cancelled.stderr
+        assert "step 2 cancelled" in cancelled.stdout
+        assert await asyncio.to_thread(coordinator.wait, RUN_TIMEOUT) == 1
+        said = log.read_text()
+        assert "training stopped: step 2 cancelled by the operator" in said
+        assert "Traceback" not in said, said[-3000:]
+        assert not (remote / "checkpoints" / "step-000002.npz").exists()
+        coordinator = reaper(start_coordinator(remote, port, log))
+        await finish(coordinator, log)
+    finally:
+        for volunteer in crew:
+            stop(volunteer)
+    assert "running it again (attempt 2)" in log.read_text()
+    FIGURES["checkpoints equal to --local"] += assert_same_checkpoints(local, remote, steps)
+    assert losses(remote) == losses(local)
+    assert integrity(remote) == "ok"
 
 
 # ---- a blob store that cannot be written -------------------------------------------------
