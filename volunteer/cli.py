@@ -344,8 +344,8 @@ def status(state_dir: Path, as_json: bool) -> None:
 @option(
     "--connections",
     type=click.IntRange(min=1),
-    default=1000,
-    show_default=True,
+    default=None,
+    show_default="one per host",
     help="Connections the shared pool may open to the coordinator.",
 )
 @option(
@@ -374,7 +374,7 @@ def emulate(
     duration: float | None,
     until_done: bool,
     ramp: float | None,
-    connections: int,
+    connections: int | None,
     real_mflops: float,
     compute_threads: int,
     no_long_poll: bool,
@@ -397,7 +397,7 @@ def emulate(
     except ProfileError as exc:
         raise click.BadParameter(str(exc), param_hint="--profile") from None
     try:
-        raise_file_limit(connections + 256)
+        raise_file_limit((connections or hosts) + 256)
     except ValueError as exc:
         raise click.BadParameter(str(exc), param_hint="--connections") from None
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")

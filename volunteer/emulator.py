@@ -157,13 +157,21 @@ class EmulationReport:
             f"tiles: {self.tiles_real} computed per host, {self.tiles_modelled} modelled; "
             f"compute overrun {self.compute_overrun_s:.1f}s; "
             f"{self.bytes_down / MB:.1f} MB down, {self.bytes_up / MB:.1f} MB up",
-            f"work-request latency: p50 {work.get('p50_ms', 0):.1f} ms, "
-            f"p99 {work.get('p99_ms', 0):.1f} ms over {work.get('count', 0)} requests "
-            f"that did not wait; long polls answered with work: p50 "
-            f"{poll.get('p50_ms', 0):.1f} ms, p99 {poll.get('p99_ms', 0):.1f} ms "
-            f"({poll.get('count', 0)}), empty: p50 {empty.get('p50_ms', 0):.0f} ms "
-            f"({empty.get('count', 0)})",
         ]
+        waits = []
+        if work:
+            waits.append(
+                f"p50 {work['p50_ms']:.1f} ms, p99 {work['p99_ms']:.1f} ms over "
+                f"{work['count']} requests that did not wait"
+            )
+        if poll:
+            waits.append(
+                f"long polls answered with work p50 {poll['p50_ms']:.0f} ms, "
+                f"p99 {poll['p99_ms']:.0f} ms ({poll['count']})"
+            )
+        if empty:
+            waits.append(f"empty long polls p50 {empty['p50_ms']:.0f} ms ({empty['count']})")
+        out.append("work-request latency: " + ("; ".join(waits) or "no requests"))
         for endpoint, s in self.latency.items():
             if not endpoint.startswith("work"):
                 out.append(
@@ -777,7 +785,7 @@ async def run_emulation(
     stop: asyncio.Event | None = None,
     until_done: bool = False,
     ramp: float | None = None,
-    connections: int = 1000,
+    connections: int | None = None,
     real_flops: float = DEFAULT_REAL_FLOPS,
     compute_threads: int = 1,
     seed: int | None = None,
@@ -793,7 +801,9 @@ async def run_emulation(
     It ends after `duration` seconds, when `stop` is set, or (`until_done`) when the
     coordinator's /v1/status says training is done, whichever comes first; then every host
     online reports what it finished and gives back the rest, within `stop_timeout`.
-    Hosts start spread over `ramp` seconds (default: 1 s per 500 hosts). `progress`, if
+    Hosts start spread over `ramp` seconds (default: 1 s per 500 hosts) and share one pool
+    of `connections` (default: one per host, as real hosts have; fewer make hosts queue
+    for a connection, which is measured apart). `progress`, if
     given, gets a report every `interval` seconds. Raises CoordinatorUnreachable if the
     coordinator does not answer at the start.
 
@@ -809,6 +819,7 @@ async def run_emulation(
         profile = load_profile(profile)
     stop = stop or asyncio.Event()
     ramp = hosts / 500 if ramp is None else ramp
+    connections = connections or hosts
     connector = aiohttp.TCPConnector(limit=connections, limit_per_host=0, ttl_dns_cache=300)
     timeout = aiohttp.ClientTimeout(total=120, sock_connect=30)
     async with aiohttp.ClientSession(
