@@ -16,7 +16,7 @@ import pytest
 import kernels
 from tests.conftest import bits
 from tests.procs import ENV, ROOT, committed, free_port, tilehive
-from volunteer import profiles
+from volunteer import profile as profiles
 from volunteer.emulator import EmulationReport, falsify, hints, run_emulation
 
 # Fast, flaky hosts: short sessions with churn and abrupt exits, client errors, and one in

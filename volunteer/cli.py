@@ -27,8 +27,8 @@ from volunteer.emulator import (
     run_emulation,
 )
 from volunteer.logsetup import configure as configure_logging
-from volunteer.profiles import ProfileError
-from volunteer.profiles import load as load_profile
+from volunteer.profile import ProfileError
+from volunteer.profile import load as load_profile
 from volunteer.state import AlreadyRunning, StateDir, default_state_dir
 
 ENV_PREFIX = "TILEHIVE_"

@@ -34,8 +34,8 @@ import kernels
 from volunteer.backoff import Backoff
 from volunteer.cache import BlobCache
 from volunteer.client import CoordinatorClient, ServerRefused, compute_tile
-from volunteer.profiles import HostTraits, Profile
-from volunteer.profiles import load as load_profile
+from volunteer.profile import HostTraits, Profile
+from volunteer.profile import load as load_profile
 
 log = logging.getLogger(__name__)
 
