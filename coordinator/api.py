@@ -237,7 +237,13 @@ def create_app(coordinator: Coordinator) -> web.Application:
 
 async def serve(coordinator: Coordinator, host: str, port: int) -> tuple[web.AppRunner, str]:
     """Start serving; returns the runner (call `cleanup()` to stop) and the base URL."""
-    runner = web.AppRunner(create_app(coordinator), access_log=None)
+    # aiohttp's keep-alive timer runs from the connection's start and is not reset by
+    # partial data: a client trickling its headers is dropped when it fires.
+    runner = web.AppRunner(
+        create_app(coordinator),
+        access_log=None,
+        keepalive_timeout=coordinator.config.header_timeout,
+    )
     await runner.setup()
     site = web.TCPSite(runner, host, port)
     await site.start()

@@ -86,6 +86,9 @@ class CoordinatorConfig:
     seed: int | None = None  # scheduler randomness (adaptive replication); None: from the OS
     access: AccessConfig = field(default_factory=AccessConfig)
     body_timeout: float = 60.0  # seconds a client may take to send a request body
+    # Seconds a connection may go without a complete request line and headers, from its
+    # start or the end of the previous reply (slowloris); it is also the idle keep-alive.
+    header_timeout: float = 20.0
 
 
 class GemmFailed(RuntimeError):

@@ -156,6 +156,33 @@ async def test_a_client_that_stalls_its_body_gets_408(tmp_path):
         await writer.wait_closed()
 
 
+async def test_a_client_that_trickles_its_headers_is_disconnected(tmp_path):
+    """Slowloris: a byte of header every 0.05 s never completes a request; the connection is
+    dropped once header_timeout has passed, and the server goes on serving others."""
+    async with running(tmp_path, header_timeout=0.5) as (co, _, url):
+        host, port = url.removeprefix("http://").split(":")
+        reader, writer = await asyncio.open_connection(host, int(port))
+        header = b"POST /v1/hosts HTTP/1.1\r\nHost: x\r\nX-Slow: " + b"a" * 10_000
+        loop = asyncio.get_running_loop()
+        started = loop.time()
+        dropped = False
+        for byte in header:
+            try:
+                writer.write(bytes([byte]))
+                await writer.drain()
+            except ConnectionError:
+                dropped = True
+            if dropped or reader.at_eof() or loop.time() - started > 10:
+                break
+            await asyncio.sleep(0.05)  # the attacker's pace, not synchronisation
+        assert dropped or reader.at_eof(), "still connected after 10 s of trickled headers"
+        assert await reader.read() == b""  # closed without a reply
+        writer.close()
+        async with CoordinatorClient(url) as client:
+            await client.register("next")
+        assert len(co.ledger.hosts) == 1
+
+
 async def test_a_volunteer_over_the_rate_limit_slows_down_and_loses_nothing(tmp_path, rng):
     """A 429 is 'later', not 'never': the daemon keeps its results and sends them again."""
     from volunteer.daemon import Volunteer, VolunteerConfig
