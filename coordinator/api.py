@@ -10,6 +10,7 @@ from collections.abc import Awaitable, Callable
 
 import aiohttp
 from aiohttp import web
+from aiohttp.http_exceptions import HttpProcessingError
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from coordinator import dashboard, protocol
@@ -235,8 +236,30 @@ def create_app(coordinator: Coordinator) -> web.Application:
     return app
 
 
+class MalformedHttpFilter(logging.Filter):
+    """aiohttp logs a full traceback for every request it cannot parse (a bad header line, a
+    header over the size limit): on the internet that is noise, so it becomes one line."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        exc = record.exc_info[1] if record.exc_info else None
+        if isinstance(exc, HttpProcessingError):
+            record.msg = f"{record.getMessage()}: malformed HTTP: {exc.message or exc}"
+            record.args = ()
+            record.exc_info = None
+            record.exc_text = None
+            record.levelno, record.levelname = logging.WARNING, "WARNING"
+        return True
+
+
+def quiet_malformed_http() -> None:
+    server_log = logging.getLogger("aiohttp.server")
+    if not any(isinstance(f, MalformedHttpFilter) for f in server_log.filters):
+        server_log.addFilter(MalformedHttpFilter())
+
+
 async def serve(coordinator: Coordinator, host: str, port: int) -> tuple[web.AppRunner, str]:
     """Start serving; returns the runner (call `cleanup()` to stop) and the base URL."""
+    quiet_malformed_http()
     # aiohttp's keep-alive timer runs from the connection's start and is not reset by
     # partial data: a client trickling its headers is dropped when it fires.
     runner = web.AppRunner(

@@ -183,6 +183,27 @@ async def test_a_client_that_trickles_its_headers_is_disconnected(tmp_path):
         assert len(co.ledger.hosts) == 1
 
 
+async def test_unparseable_http_is_a_400_and_one_log_line_not_a_traceback(tmp_path, caplog):
+    async with running(tmp_path) as (_, _, url):
+        host, port = url.removeprefix("http://").split(":")
+        for garbage in (
+            b"GET / HTTP/1.1\r\nno colon here\r\n\r\n",
+            b"POST /v1/hosts HTTP/1.1\r\nX: " + b"a" * 100_000 + b"\r\n\r\n",
+            b"GET / HTTP/9.9\r\n\r\n",
+        ):
+            reader, writer = await asyncio.open_connection(host, int(port))
+            writer.write(garbage)
+            await writer.drain()
+            status_line = await asyncio.wait_for(reader.readline(), 10)
+            assert status_line.split()[1:2] in ([b"400"], [b"431"], [b"505"]), status_line
+            writer.close()
+        async with CoordinatorClient(url) as client:
+            await client.register("next")
+    server = [r for r in caplog.records if r.name == "aiohttp.server"]
+    assert len(server) == 3 and all(r.exc_info is None for r in server)
+    assert all("malformed HTTP" in r.getMessage() for r in server)
+
+
 async def test_a_volunteer_over_the_rate_limit_slows_down_and_loses_nothing(tmp_path, rng):
     """A 429 is 'later', not 'never': the daemon keeps its results and sends them again."""
     from volunteer.daemon import Volunteer, VolunteerConfig
