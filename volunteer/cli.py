@@ -22,6 +22,7 @@ from volunteer.emulator import (
     CoordinatorUnreachable,
     EmulationReport,
     check_url,
+    default_connections,
     hints,
     raise_file_limit,
     run_emulation,
@@ -345,7 +346,7 @@ def status(state_dir: Path, as_json: bool) -> None:
     "--connections",
     type=click.IntRange(min=1),
     default=None,
-    show_default="one per host",
+    show_default="two per host, within the open-file limit",
     help="Connections the shared pool may open to the coordinator.",
 )
 @option(
@@ -397,7 +398,7 @@ def emulate(
     except ProfileError as exc:
         raise click.BadParameter(str(exc), param_hint="--profile") from None
     try:
-        raise_file_limit((connections or hosts) + 256)
+        raise_file_limit((connections or default_connections(hosts)) + 256)
     except ValueError as exc:
         raise click.BadParameter(str(exc), param_hint="--connections") from None
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")

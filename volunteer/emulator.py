@@ -802,8 +802,8 @@ async def run_emulation(
     coordinator's /v1/status says training is done, whichever comes first; then every host
     online reports what it finished and gives back the rest, within `stop_timeout`.
     Hosts start spread over `ramp` seconds (default: 1 s per 500 hosts) and share one pool
-    of `connections` (default: one per host, as real hosts have; fewer make hosts queue
-    for a connection, which is measured apart). `progress`, if
+    of `connections` (default: two per host, as far as the open-file limit allows; fewer
+    make hosts queue for a connection, which is measured apart). `progress`, if
     given, gets a report every `interval` seconds. Raises CoordinatorUnreachable if the
     coordinator does not answer at the start.
 
@@ -819,7 +819,8 @@ async def run_emulation(
         profile = load_profile(profile)
     stop = stop or asyncio.Event()
     ramp = hosts / 500 if ramp is None else ramp
-    connections = connections or hosts
+    connections = connections or default_connections(hosts)
+    raise_file_limit(connections + 256)
     connector = aiohttp.TCPConnector(limit=connections, limit_per_host=0, ttl_dns_cache=300)
     timeout = aiohttp.ClientTimeout(total=120, sock_connect=30)
     async with aiohttp.ClientSession(
@@ -884,6 +885,14 @@ def check_url(url: str) -> None:
         raise ValueError(f"{url!r} is not an http:// or https:// URL with a host")
     if port == 0:
         raise ValueError(f"{url!r} has port 0")
+
+
+def default_connections(hosts: int) -> int:
+    """Two connections per host (a host fetches operands while it asks for work), as far
+    as the hard limit on open files allows."""
+    _, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    room = (1 << 20) if hard == resource.RLIM_INFINITY else hard - 256
+    return max(1, min(2 * hosts, room))
 
 
 def raise_file_limit(needed: int) -> None:
