@@ -264,6 +264,9 @@ class EmulatedHost:
         reply = None
         try:
             reply = await make()
+        except Exception as exc:
+            exc.endpoint = endpoint  # for _error: the call that failed, wherever it surfaces
+            raise
         finally:
             seconds = time.perf_counter() - started - clock[0]
             if clock[0]:
@@ -273,6 +276,7 @@ class EmulatedHost:
         return reply, seconds
 
     def _error(self, endpoint: str, exc: BaseException) -> None:
+        endpoint = getattr(exc, "endpoint", endpoint)
         if isinstance(exc, ServerRefused):
             kind = f"{endpoint} {exc.status} {exc.code}"
         else:
@@ -313,6 +317,7 @@ class EmulatedHost:
                 await _wait(stop, self.backoff.next_delay())
 
     async def _refused(self, endpoint: str, exc: ServerRefused, stop: asyncio.Event) -> None:
+        endpoint = getattr(exc, "endpoint", endpoint)
         if exc.status == 403 and endpoint == "work" and self.lied:
             self.em.totals.counts["quarantined_liars"] += 1
             raise Quarantined(exc.message)
