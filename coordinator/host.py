@@ -6,8 +6,10 @@ import asyncio
 import contextlib
 import json
 import logging
+import os
 import signal
 import socket
+import sys
 from pathlib import Path
 
 from coordinator.access import AccessConfig
@@ -56,12 +58,35 @@ def read_history(metrics: Path) -> list[dict]:
         return []
 
 
+def announce(text: str) -> None:
+    """A line for whoever started us. Whoever that is may have stopped listening (the demo
+    reads the URL and closes the pipe): that must never stop the coordinator."""
+    try:
+        print(text, flush=True)
+    except OSError:
+        # Later writes (and the flush at exit) go nowhere instead of failing again.
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+
+
 async def host_project(project: Project, bind_host: str, port: int, keep_serving: bool) -> int:
     """Serve and train until the project's steps are done; returns the exit code."""
     coordinator = Coordinator(coordinator_config(project))
     runner, url = await serve(coordinator, bind_host, port)
-    print(f"tilehive coordinator: volunteers connect to {public_url(bind_host, url)}", flush=True)
-    print(f"  e.g. tilehive volunteer start {public_url(bind_host, url)}", flush=True)
+    try:
+        announce(
+            f"tilehive coordinator: volunteers connect to {public_url(bind_host, url)}\n"
+            f"  e.g. tilehive volunteer start {public_url(bind_host, url)}"
+        )
+        return await _train(coordinator, project, url, keep_serving)
+    finally:
+        # Always, whatever went wrong: this closes the database, whose worker thread would
+        # otherwise keep the process from exiting.
+        await runner.cleanup()
+
+
+async def _train(coordinator: Coordinator, project: Project, url: str, keep_serving: bool) -> int:
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
@@ -96,14 +121,13 @@ async def host_project(project: Project, bind_host: str, port: int, keep_serving
             log.info("training done: %d steps; checkpoints in %s", steps, project.checkpoints)
             coordinator.training["done"] = True
             if keep_serving:
-                print(f"training done; still serving {url} (Ctrl-C to stop)", flush=True)
+                announce(f"training done; still serving {url} (Ctrl-C to stop)")
                 await stopper
             return 0
         training.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await training
-        print("stopped; run the same command again to resume from the last checkpoint")
+        announce("stopped; run the same command again to resume from the last checkpoint")
         return 130
     finally:
         stopper.cancel()
-        await runner.cleanup()
