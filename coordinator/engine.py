@@ -409,7 +409,12 @@ class Coordinator:
             tile = None
             if entry.tile is not None:
                 tile = self._check_tile(wu, entry.result_id, entry.output_hash, entry.tile)
-            elif entry.error is None and result.upload_tile and wu.state not in WU_DECIDED:
+            elif (
+                entry.error is None
+                and not entry.abandoned
+                and result.upload_tile
+                and wu.state not in WU_DECIDED
+            ):
                 raise BadRequest(f"result {entry.result_id}: the assignment asked for the tile")
             checked.append((entry, result, wu, tile))
         # Every tile is stored before any report is applied: when the blob store fails, the
@@ -473,7 +478,19 @@ class Coordinator:
             return "duplicate"
         late = result.server_state is ServerState.OVER
         event = Event(now, "result", "", "", wu.step, wu.gemm_id, wu.id, result.id, host.id)
-        if entry.error is not None:
+        if entry.abandoned:
+            if late:
+                return "late"
+            # As if its deadline had passed now: a replacement goes out at once, and the
+            # host, which said so honestly, keeps its standing.
+            self.ledger.put_result(
+                result.evolve(
+                    server_state=ServerState.OVER, outcome=Outcome.NO_REPLY, received_time=now
+                )
+            )
+            self.ledger.log([_with(event, "abandoned", "given back uncomputed by the host")])
+            self.metrics.results.labels("abandoned").inc()
+        elif entry.error is not None:
             if late:
                 return "late"
             self.ledger.put_result(

@@ -63,7 +63,7 @@ class WorkSettings:
     target_nresults: int = 2
     min_quorum: int = 2
     max_error_results: int = 4
-    max_total_results: int = 8
+    max_total_results: int = 24
     delay_bound: float = 60.0
     adaptive_replication: bool = True
 
@@ -253,8 +253,8 @@ policy = "{work.policy}"          # quorum: bit-identical hashes; freivalds: a k
 freivalds_rounds = {work.freivalds_rounds}     # a wrong tile passes with probability <= 2^-rounds
 target_nresults = {work.target_nresults}       # replicas issued per work unit (quorum policies)
 min_quorum = {work.min_quorum}            # identical results needed
-max_error_results = {work.max_error_results}     # errors before a work unit fails for good
-max_total_results = {work.max_total_results}     # replicas before a work unit fails for good
+max_error_results = {work.max_error_results}     # client errors + invalid results before it fails
+max_total_results = {work.max_total_results}     # results of any kind, timeouts too
 delay_bound = {work.delay_bound}         # seconds a volunteer has for one tile
 adaptive_replication = {adaptive}   # trusted hosts may get tiles alone, Freivalds-checked;
                               # false: every tile gets its quorum (bitwise even against a

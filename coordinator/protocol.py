@@ -226,6 +226,7 @@ class ResultReport:
     tile: bytes | None  # the tile blob, when the assignment asked for it
     error: str | None
     seconds: float
+    abandoned: bool = False  # given back uncomputed (the host is stopping): no error
 
 
 @dataclass(frozen=True, slots=True)
@@ -259,6 +260,10 @@ def _parse_one_report(entry: dict[str, Any]) -> ResultReport:
     output_hash = _get(entry, "hash", str, None)
     tile = _get(entry, "tile", bytes, None)
     seconds = float(_number(entry, "seconds", 0.0, 1e7, 0.0))
+    if _get(entry, "abandoned", bool, False):
+        if error is not None or output_hash is not None or tile is not None:
+            raise BadRequest("an abandoned result carries no error, hash or tile")
+        return ResultReport(result_id, None, None, None, seconds, abandoned=True)
     if error is not None:
         if output_hash is not None or tile is not None:
             raise BadRequest("an error report carries no hash or tile")

@@ -49,9 +49,12 @@ def counts(results: list[Result]) -> dict[str, int]:
             tally["in_progress"] += 1
         elif r.outcome is Outcome.SUCCESS and r.validate_state is not ValidateState.INVALID:
             tally["success"] += 1
-        elif r.outcome in (Outcome.CLIENT_ERROR, Outcome.NO_REPLY) or (
+        elif r.outcome is Outcome.CLIENT_ERROR or (
             r.outcome is Outcome.SUCCESS and r.validate_state is ValidateState.INVALID
         ):
+            # Evidence against the work itself. A timeout or a hand-back is not (BOINC
+            # counts it; a training step would then die of churn): those are bounded by
+            # max_total_results alone.
             tally["errors"] += 1
     return tally
 

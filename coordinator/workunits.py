@@ -82,8 +82,8 @@ class Redundancy:
 
     target_nresults: int = 2
     min_quorum: int = 2
-    max_error_results: int = 4
-    max_total_results: int = 8
+    max_error_results: int = 4  # client errors and invalid results
+    max_total_results: int = 24  # every result, timeouts and hand-backs included
     delay_bound: float = 60.0
 
 

@@ -148,3 +148,24 @@ async def test_the_server_still_finishes_work_after_abuse(server):
         got = await crew.finish(product)
     assert np.array_equal(bits(got), bits(kernels.gemm(a, b)))
     await wait_until(lambda: not co.outputs)
+
+
+async def test_work_given_back_goes_out_again_and_costs_the_host_nothing(server):
+    co, url, _ = server
+    async with CoordinatorClient(url) as alice, CoordinatorClient(url) as bob:
+        alice_id = await alice.register("alice")
+        await bob.register("bob")
+        (assignment,) = (await alice.request_work("a1", capacity=1))["assignments"]
+        result_id = assignment["result_id"]
+        with pytest.raises(Exception, match="400") as bad:
+            await alice.report([{"result_id": result_id, "abandoned": True, "error": "x"}])
+        assert "carries no error" in str(bad.value)
+        reply = await alice.report([{"result_id": result_id, "abandoned": True}])
+        assert reply["accepted"] == [result_id]
+        assert co.ledger.results[result_id].outcome.value == "no_reply"
+        record = co.ledger.hosts[alice_id]
+        assert (record.error_count, record.max_in_progress) == (0, 4)
+        taken = (await bob.request_work("b1", capacity=9, wait=False))["assignments"]
+        assert assignment["wu_id"] in {a["wu_id"] for a in taken}
+    events = await co.store.events(kind="result")
+    assert any(e.state == "abandoned" and e.result_id == result_id for e in events)

@@ -395,7 +395,7 @@ class Volunteer:
         for job in self.queue:
             job.operands.cancel()
             self.pending_reports.append(
-                {"result_id": job.assignment["result_id"], "error": "volunteer stopped"}
+                {"result_id": job.assignment["result_id"], "abandoned": True}
             )
         self.queue.clear()
         with contextlib.suppress(Exception):
