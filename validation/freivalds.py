@@ -21,8 +21,9 @@ except ImportError:  # pragma: no cover - only when the extension was not built
 
 # Each round misses a wrong element with probability at most 1/2, so a tile with an error
 # above the bound passes all of them with probability at most 2**-rounds. The default is the
-# most that fits the brief's cost bar, a check <= 5% of computing a 512^3 tile (2 rounds
-# measured 4.7%, 3 rounds 5.5%; docs/validation.md).
+# most that fits the brief's cost bar, a check <= 5% of computing a 512^3 tile, with the
+# operands in cache (2 rounds measured 4.4-5.2%, 3 rounds 5.3-5.7%); with them in memory any
+# number of rounds up to 4 costs 6-7%, the price of reading them (docs/validation.md).
 DEFAULT_ROUNDS = 2
 MAX_ROUNDS = 64
 KEY_BYTES = 32  # blake3's keyed mode takes exactly this
