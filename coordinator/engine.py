@@ -40,6 +40,7 @@ from coordinator.scheduler import Scheduler, SchedulerConfig
 from coordinator.store import Event, Reply, Store
 from coordinator.store_sqlite import SqliteStore
 from coordinator.transitioner import transition
+from coordinator.waiters import Waiters
 from coordinator.workunits import (
     WU_DECIDED,
     Gemm,
@@ -151,8 +152,7 @@ class Coordinator:
         self._to_validate: set[str] = set()
         self._wake = asyncio.Event()
         self._inflight: dict[tuple[int, str], asyncio.Future] = {}
-        # Resolved (and replaced) whenever unsent results appear: long polls wait on it.
-        self._work_signal: asyncio.Future | None = None
+        self.waiters = Waiters()  # long-polling work requests
         self.ledger.on_unsent = self._signal_work
         self._tasks: list[asyncio.Task] = []
         self.stats = {"bytes_saved": 0, "tiles_in": 0, "work_requests": 0, "invalid": 0}
@@ -164,15 +164,7 @@ class Coordinator:
     # ---- life cycle ----------------------------------------------------------------------
 
     def _signal_work(self) -> None:
-        if self._work_signal is not None and not self._work_signal.done():
-            self._work_signal.set_result(None)
-        self._work_signal = None
-
-    @property
-    def work_signal(self) -> asyncio.Future:
-        if self._work_signal is None:
-            self._work_signal = asyncio.get_running_loop().create_future()
-        return self._work_signal
+        self.waiters.wake(len(self.ledger.unsent))
 
     async def start(self) -> None:
         await self.store.open()
@@ -250,7 +242,9 @@ class Coordinator:
         stored = self._replies.get(host.id, {}).get(request.request_id)
         if stored is None and key in self._inflight:
             return await asyncio.shield(self._inflight[key])
-        if stored is None:
+        if stored is None and host.id not in self._replies:
+            # Only a host's first request since this coordinator started can be a retry of a
+            # reply it lost before a restart; every later one is found in memory.
             stored = await self.store.reply(host.id, request.request_id)
         if stored is not None:
             return stored
@@ -291,13 +285,17 @@ class Coordinator:
         deadline = time.monotonic() + self.config.long_poll
         while not plan.assignments and plan.room > 0 and request.wait:
             remaining = deadline - time.monotonic()
-            if remaining <= 0:
+            if remaining <= 0 or not await self.waiters.wait(remaining):
                 break
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(asyncio.shield(self.work_signal), remaining)
             now = time.time()
             host = self.ledger.hosts[host.id]
             plan = self.scheduler.plan(host, request, now)
+            if not plan.assignments and self.ledger.unsent:
+                # Work is there, but none this host may take (it holds a replica, or lacks
+                # the memory): wake another waiter, and answer this one rather than wake it
+                # again and again for the same work.
+                self._signal_work()
+                break
         self.ledger.log(plan.events)
         self.stats["bytes_saved"] += plan.bytes_saved
         assignments = [self._assignment_message(a.wu, a.result, now) for a in plan.assignments]
@@ -314,7 +312,10 @@ class Coordinator:
                 f"{plan.smallest_need / (1 << 20):.1f} MB: raise --max-memory"
             )
         body = encode(message)
-        self._remember_reply(host.id, request.request_id, body, now)
+        # A reply that assigns or aborts nothing changes nothing: a retry may be planned
+        # afresh, so only memory keeps it (10,000 idle hosts would write 5,000 rows/s).
+        durable = bool(assignments or plan.abort)
+        self._remember_reply(host.id, request.request_id, body, now, durable)
         await self.ledger.flush()
         return body
 
@@ -337,12 +338,15 @@ class Coordinator:
             "kernel_version": wu.kernel_version,
         }
 
-    def _remember_reply(self, host_id: int, request_id: str, body: bytes, now: float) -> None:
+    def _remember_reply(
+        self, host_id: int, request_id: str, body: bytes, now: float, durable: bool
+    ) -> None:
         recent = self._replies.setdefault(host_id, OrderedDict())
         recent[request_id] = body
         while len(recent) > REPLIES_KEPT_PER_HOST:
             recent.popitem(last=False)
-        self.ledger.remember_reply(Reply(host_id, request_id, now, body))
+        if durable:
+            self.ledger.remember_reply(Reply(host_id, request_id, now, body))
 
     async def report(self, host: Host, request: ReportRequest, now: float) -> dict:
         """Accept a batch of results: all entries are checked before any is applied.
