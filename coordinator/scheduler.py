@@ -39,6 +39,12 @@ class SchedulerConfig:
     trust_threshold: int = 10  # consecutive valid results before adaptive replication
     adaptive_replication: bool = True  # off: every work unit gets its full replication
     default_quota: int = 4  # in-progress results per host thread
+    # Off: a host's cached panels no longer put the results that use them first (oldest
+    # first only); for measuring what cache-aware scheduling saves on the wire.
+    cache_preference: bool = True
+    # Off: every replica uploads its full tile, none only its hash; for measuring what
+    # hash-only check replicas save on the wire.
+    hash_only_replicas: bool = True
 
 
 @dataclass(slots=True)
@@ -121,7 +127,8 @@ class Scheduler:
         if room <= 0:
             return plan
         cached = set(request.cached)
-        for result_id in self._candidates(cached):
+        preferred = cached if self.config.cache_preference else set()
+        for result_id in self._candidates(preferred):
             if room <= 0:
                 break
             assignment = self._try_assign(host, result_id, now, plan)
@@ -174,7 +181,10 @@ class Scheduler:
             server_state=ServerState.IN_PROGRESS,
             sent_time=now,
             report_deadline=report_deadline(wu, host, now, self.config),
-            upload_tile=wants_tile(siblings) or wu.min_quorum <= 1 or wu.accelerated,
+            upload_tile=wants_tile(siblings)
+            or wu.min_quorum <= 1
+            or wu.accelerated
+            or not self.config.hash_only_replicas,
         )
         ledger.put_result(result)
         if result.report_deadline < wu.transition_time:
