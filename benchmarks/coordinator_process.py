@@ -2,12 +2,12 @@
 
 Run:  .venv/bin/python benchmarks/coordinator_process.py DIR --port P [--products N] ...
 
-It prints its URL, publishes PRODUCTS products of TILES x TILES work units each (k = 8, so a
-tile costs a volunteer microseconds and the time is the coordinator's), one after another or
-all at once, and, when every one is assimilated, prints one JSON line: work units, results,
-seconds from the first assignment to the last assimilation, and the CPU seconds the
-coordinator used. `--cpu N` pins it to one core, as the brief's bar is "on one core";
-`--profile FILE` writes a cProfile of the whole run.
+It prints its URL and publishes products of TILES x TILES work units each (k = 8, so a tile
+costs a volunteer microseconds and the time is the coordinator's), one after another. Once
+WAIT_HOSTS hosts have registered it measures, for DURATION seconds (or until PRODUCTS are
+done), the work units assimilated, and prints one JSON line: work units, seconds, and the CPU
+seconds the coordinator used (all its threads). `--cpu N` pins it to one core, as the
+brief's bar is "on one core"; `--profile FILE` writes a cProfile of the whole run.
 """
 
 from __future__ import annotations
@@ -31,9 +31,23 @@ from coordinator.access import AccessConfig  # noqa: E402
 from coordinator.api import serve  # noqa: E402
 from coordinator.engine import Coordinator, CoordinatorConfig  # noqa: E402
 from coordinator.queue import WorkQueue  # noqa: E402
-from coordinator.workunits import Policy  # noqa: E402
+from coordinator.workunits import Policy, WorkUnit, WuState  # noqa: E402
 
 K = 8  # inner dimension: a tile is 2*tile*tile*K flops, nothing
+
+
+def count_assimilated(coordinator: Coordinator) -> list[int]:
+    """A counter of work units assimilated, bumped as the ledger records each one."""
+    count = [0]
+    put_wu = coordinator.ledger.put_wu
+
+    def counting(wu: WorkUnit) -> None:
+        if wu.state is WuState.ASSIMILATED:
+            count[0] += 1
+        put_wu(wu)
+
+    coordinator.ledger.put_wu = counting
+    return count
 
 
 async def run(args: argparse.Namespace) -> dict:
@@ -47,36 +61,42 @@ async def run(args: argparse.Namespace) -> dict:
         seed=0,
     )
     coordinator = Coordinator(config)
+    assimilated = count_assimilated(coordinator)
     runner, url = await serve(coordinator, "127.0.0.1", args.port)
     print(url, flush=True)
     rng = np.random.default_rng(0)
     size = args.tiles * args.tile
     queue = WorkQueue(coordinator)
-    pairs = [
-        (
-            rng.standard_normal((size, K)).astype(np.float32),
-            rng.standard_normal((K, size)).astype(np.float32),
-        )
-        for _ in range(args.products)
-    ]
-    if args.wait_hosts:
-        while len(coordinator.ledger.hosts) < args.wait_hosts:
-            await asyncio.sleep(0.05)
-    cpu, wall = time.process_time(), time.perf_counter()
-    for i, (a, b) in enumerate(pairs):
-        await queue.matmul(a, b, step=i)
+
+    async def products() -> None:
+        step = 0
+        while args.products == 0 or step < args.products:
+            a = rng.standard_normal((size, K)).astype(np.float32)
+            b = rng.standard_normal((K, size)).astype(np.float32)
+            await queue.matmul(a, b, step=step)
+            step += 1
+
+    producing = asyncio.create_task(products())
+    while len(coordinator.ledger.hosts) < args.wait_hosts:
+        await asyncio.sleep(0.05)
+    base, cpu, wall = assimilated[0], time.process_time(), time.perf_counter()
+    if args.duration:
+        await asyncio.wait([producing], timeout=args.duration)
+    else:
+        await producing
     seconds = time.perf_counter() - wall
     cpu = time.process_time() - cpu
-    wus = args.products * args.tiles**2
-    results = int(coordinator.stats["tiles_in"])
+    wus = assimilated[0] - base
+    producing.cancel()
+    await asyncio.gather(producing, return_exceptions=True)
     await runner.cleanup()
     return {
         "wus": wus,
-        "results": results,
+        "results": int(coordinator.stats["tiles_in"]),
         "seconds": seconds,
         "cpu_seconds": cpu,
         "wu_per_s": wus / seconds,
-        "hosts": args.wait_hosts,
+        "hosts": len(coordinator.ledger.hosts),
     }
 
 
@@ -86,7 +106,10 @@ def main() -> None:
     parser.add_argument("--port", type=int, required=True)
     parser.add_argument("--tiles", type=int, default=40, help="tiles per side")
     parser.add_argument("--tile", type=int, default=4)
-    parser.add_argument("--products", type=int, default=2)
+    parser.add_argument("--products", type=int, default=2, help="0: one after another, forever")
+    parser.add_argument(
+        "--duration", type=float, default=0.0, help="measure this long (0: until the products end)"
+    )
     parser.add_argument("--policy", default="quorum", choices=[p.value for p in Policy])
     parser.add_argument("--wait-hosts", type=int, default=0, help="start once N registered")
     parser.add_argument("--cpu", type=int, default=None, help="pin to this core")
