@@ -17,6 +17,7 @@ import asyncio
 import cProfile
 import json
 import os
+import signal
 import sys
 import time
 from pathlib import Path
@@ -87,10 +88,7 @@ async def run(args: argparse.Namespace) -> dict:
     seconds = time.perf_counter() - wall
     cpu = time.process_time() - cpu
     wus = assimilated[0] - base
-    producing.cancel()
-    await asyncio.gather(producing, return_exceptions=True)
-    await runner.cleanup()
-    return {
+    row = {
         "wus": wus,
         "results": int(coordinator.stats["tiles_in"]),
         "seconds": seconds,
@@ -98,6 +96,15 @@ async def run(args: argparse.Namespace) -> dict:
         "wu_per_s": wus / seconds,
         "hosts": len(coordinator.ledger.hosts),
     }
+    print(json.dumps(row), flush=True)
+    if args.linger:  # serve on, so the hosts can leave cleanly, until told to stop
+        stop = asyncio.Event()
+        asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, stop.set)
+        await stop.wait()
+    producing.cancel()
+    await asyncio.gather(producing, return_exceptions=True)
+    await runner.cleanup()
+    return row
 
 
 def main() -> None:
@@ -112,6 +119,9 @@ def main() -> None:
     )
     parser.add_argument("--policy", default="quorum", choices=[p.value for p in Policy])
     parser.add_argument("--wait-hosts", type=int, default=0, help="start once N registered")
+    parser.add_argument(
+        "--linger", action="store_true", help="after measuring, serve on until SIGTERM"
+    )
     parser.add_argument("--cpu", type=int, default=None, help="pin to this core")
     parser.add_argument("--profile", default=None, help="write a cProfile here")
     args = parser.parse_args()
@@ -120,11 +130,10 @@ def main() -> None:
     profiler = cProfile.Profile() if args.profile else None
     if profiler:
         profiler.enable()
-    row = asyncio.run(run(args))
+    asyncio.run(run(args))
     if profiler:
         profiler.disable()
         profiler.dump_stats(args.profile)
-    print(json.dumps(row), flush=True)
 
 
 if __name__ == "__main__":

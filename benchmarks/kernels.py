@@ -10,6 +10,7 @@ kernel for safety) the script re-runs itself with both unset, for this command a
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import platform
 import statistics
@@ -259,9 +260,15 @@ def main() -> None:
         "--rounds", type=int, default=ROUNDS, help="Freivalds rounds (default: DEFAULT_ROUNDS)"
     )
     parser.add_argument("--only", help="measure only the shapes whose name contains this")
+    parser.add_argument("--json", action="store_true", help="print the rows as JSON only")
     args = parser.parse_args()
     ROUNDS = args.rounds
     pool_bytes = (args.pool_mb << 20) if args.pool_mb else 2 * last_level_cache()
+    if args.json:
+        print(
+            json.dumps({"machine": machine(), "rows": measure(args.repeats, pool_bytes, args.only)})
+        )
+        return
     print(f"Machine: {machine()}\n")
     rows = measure(args.repeats, pool_bytes, args.only)
     print(table(rows))

@@ -1,0 +1,262 @@
+"""The benchmark suite: every row of the table in docs/performance.md, measured in one run.
+
+Run:  .venv/bin/python benchmarks/run.py [--quick] [--write] [--only AREA ...]
+
+Areas, in order: kernels and validation (benchmarks/kernels.py), coordinator (a coordinator
+process pinned to one core, `tilehive emulate`'s engine on the other, at 100, 1,000 and
+10,000 hosts), training, communication, tails and the Dask peer (benchmarks/training.py,
+communication.py, tails.py, peer_dask.py). `--write` replaces the table in
+docs/performance.md; without it the table is only printed. `--quick` is a smoke run (small
+repeats, 100 hosts only) whose figures are not for the record.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import importlib
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+_HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path[:] = [p for p in sys.path if os.path.abspath(p or ".") != _HERE]
+sys.path.insert(0, os.path.dirname(_HERE))
+
+from benchmarks.report import Row, verdict, write_into  # noqa: E402
+
+ROOT = Path(_HERE).parent
+DOC = ROOT / "docs" / "performance.md"
+PYTHON = sys.executable
+
+# Hosts with nothing modelled: no latency, bandwidth or compute time to wait out, many
+# threads (a quota of 64 tiles in progress), no churn, errors or lies. What is left is the
+# coordinator's own cost per work unit.
+LOOPBACK_PROFILE = """
+name = "loopback"
+description = "hosts with no modelled cost, for the coordinator's throughput"
+[[group]]
+name = "loopback"
+share = 1.0
+gflops = 1000.0
+threads = 16
+max_memory_mb = 1000
+download_mbps = 100000.0
+upload_mbps = 100000.0
+latency_ms = 0.0
+session_s = 1000000.0
+offline_s = 1.0
+churn = 0.0
+graceful = 1.0
+error_rate = 0.0
+lie_rate = 0.0
+"""
+
+
+def kernel_rows(quick: bool) -> list[Row]:
+    shape = "512x512x512 square"
+    out = subprocess.run(
+        [
+            PYTHON,
+            str(ROOT / "benchmarks" / "kernels.py"),
+            *("--only", shape, "--json", "--repeats", "3" if quick else "9"),
+        ],
+        capture_output=True,
+        text=True,
+        check=True,
+        cwd=ROOT,
+    )
+    (r,) = json.loads(out.stdout.strip().splitlines()[-1])["rows"]
+    ratio_1, ratio_2 = r["ours_1"] / r["numpy_1"], r["ours_2"] / r["numpy_2"]
+    return [
+        Row(
+            "kernels",
+            "sgemm 512^3, 1 thread: ours / numpy (OpenBLAS)",
+            f"{ratio_1:.2f} ({r['ours_1']:.0f} / {r['numpy_1']:.0f} GFLOPS)",
+            ">= 0.50 (moonshot 0.80)",
+            verdict(ratio_1 >= 0.5),
+        ),
+        Row(
+            "kernels",
+            "sgemm 512^3, 2 threads: ours / numpy",
+            f"{ratio_2:.2f} ({r['ours_2']:.0f} / {r['numpy_2']:.0f} GFLOPS)",
+        ),
+        Row("kernels", "ours 2 threads / 1 thread, 512^3", f"{r['ours_2'] / r['ours_1']:.2f}x"),
+        Row(
+            "validation",
+            "Freivalds (2 rounds) / computing the tile, 512^3, warm",
+            f"{100 * r['freivalds_warm']:.1f}%",
+            "<= 5%",
+            verdict(r["freivalds_warm"] <= 0.05),
+        ),
+        Row(
+            "validation",
+            "the same, cold (operands from memory)",
+            f"{100 * r['freivalds']:.1f}%",
+            "<= 5%",
+            verdict(r["freivalds"] <= 0.05),
+            "memory-bound: reading A, B and C is most of it",
+        ),
+    ]
+
+
+def _pin(cpu: int | None) -> None:
+    if cpu is not None and hasattr(os, "sched_setaffinity"):
+        with contextlib.suppress(OSError):
+            os.sched_setaffinity(0, {cpu})
+
+
+async def _coordinator_at(hosts: int, window: float) -> tuple[dict, object]:
+    """A coordinator process on core 0; `hosts` emulated hosts in this process on core 1."""
+    from volunteer.emulator import run_emulation
+    from volunteer.profile import parse
+
+    cores = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else [0]
+    coordinator_cpu = cores[0]
+    with tempfile.TemporaryDirectory() as tmp:
+        process = subprocess.Popen(
+            [
+                PYTHON,
+                str(ROOT / "benchmarks" / "coordinator_process.py"),
+                f"{tmp}/project",
+                *("--port", "0", "--products", "0", "--duration", str(window), "--linger"),
+                *("--wait-hosts", str(hosts), "--cpu", str(coordinator_cpu)),
+            ],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.DEVNULL,
+            text=True,
+            cwd=ROOT,
+        )
+        try:
+            url = process.stdout.readline().strip()
+            stop = asyncio.Event()
+            loop = asyncio.get_running_loop()
+            lines: list[str] = []
+
+            def read_result() -> None:
+                lines.append(process.stdout.readline())
+                loop.call_soon_threadsafe(stop.set)
+
+            threading.Thread(target=read_result, daemon=True).start()
+            report = await run_emulation(
+                url,
+                hosts,
+                parse(LOOPBACK_PROFILE),
+                stop=stop,
+                duration=window + 120 + hosts / 100,
+                seed=0,
+            )
+            process.terminate()
+            process.wait(timeout=60)
+            result = json.loads(lines[-1]) if lines and lines[-1].strip() else {}
+        finally:
+            if process.poll() is None:
+                process.kill()
+                process.wait()
+    return result, report
+
+
+def coordinator_rows(quick: bool) -> list[Row]:
+    rows = []
+    cores = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else [0]
+    before = set(cores)
+    _pin(cores[-1] if len(cores) > 1 else None)  # the emulator; the coordinator gets cores[0]
+    try:
+        for hosts in [100] if quick else [100, 1000, 10000]:
+            result, report = asyncio.run(_coordinator_at(hosts, 5.0 if quick else 20.0))
+            work = report.latency.get("work", {})
+            wu_s = result.get("wu_per_s", 0.0)
+            rows.append(
+                Row(
+                    "coordinator",
+                    f"{hosts:,} emulated hosts: work units issued, validated and assimilated "
+                    "per second, one core",
+                    f"{wu_s:.0f} WU/s",
+                    ">= 2,000 WU/s",
+                    verdict(wu_s >= 2000),
+                    f"CPU {result.get('cpu_seconds', 0) / max(result.get('seconds', 1), 1e-9):.0%}"
+                    " of the core, quorum 2, 4x4x8 tiles",
+                )
+            )
+            p99 = work.get("p99_ms", float("nan"))
+            rows.append(
+                Row(
+                    "coordinator",
+                    f"{hosts:,} hosts: work-request latency p50 / p99",
+                    f"{work.get('p50_ms', float('nan')):.0f} / {p99:.0f} ms",
+                    "p99 < 50 ms at 1,000 hosts" if hosts == 1000 else "",
+                    verdict(p99 < 50) if hosts == 1000 else "",
+                    f"{work.get('count', 0):,} requests that did not wait",
+                )
+            )
+            rows.append(
+                Row(
+                    "coordinator",
+                    f"{hosts:,} hosts: errors seen by the hosts",
+                    f"{report.error_count:,}",
+                    "none at 10,000 hosts" if hosts == 10000 else "",
+                    verdict(report.error_count == 0) if hosts == 10000 else "",
+                    ", ".join(f"{k} x{v}" for k, v in sorted(report.errors.items()))[:120],
+                )
+            )
+    finally:
+        _pin(None)
+        if hasattr(os, "sched_setaffinity"):
+            os.sched_setaffinity(0, before)
+    return rows
+
+
+def module_rows(name: str, quick: bool) -> list[Row]:
+    """Rows from benchmarks/NAME.py's run(quick); a missing or failing module is a row too."""
+    try:
+        module = importlib.import_module(f"benchmarks.{name}")
+    except ImportError as exc:
+        return [Row(name, "not measured", "-", note=f"cannot import benchmarks.{name}: {exc}")]
+    try:
+        return module.run(quick=quick)
+    except Exception as exc:  # a benchmark that fails is reported, the suite goes on
+        return [Row(name, "not measured", "-", note=f"{type(exc).__name__}: {exc}"[:200])]
+
+
+AREAS = {
+    "kernels": kernel_rows,
+    "coordinator": coordinator_rows,
+    "training": lambda quick: module_rows("training", quick),
+    "communication": lambda quick: module_rows("communication", quick),
+    "tails": lambda quick: module_rows("tails", quick),
+    "peer": lambda quick: module_rows("peer_dask", quick),
+}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="a smoke run, not for the record")
+    parser.add_argument("--write", action="store_true", help="write the table into the docs")
+    parser.add_argument("--only", nargs="*", choices=sorted(AREAS), help="only these areas")
+    args = parser.parse_args()
+    rows: list[Row] = []
+    started = time.strftime("%Y-%m-%d")
+    for area, measure in AREAS.items():
+        if args.only and area not in args.only:
+            continue
+        print(f"== {area}", file=sys.stderr, flush=True)
+        began = time.perf_counter()
+        rows.extend(measure(args.quick))
+        print(f"   {time.perf_counter() - began:.0f} s", file=sys.stderr, flush=True)
+    from benchmarks.report import table
+
+    print(table(rows))
+    if args.write:
+        command = ".venv/bin/python benchmarks/run.py --write" + (" --quick" if args.quick else "")
+        write_into(DOC, rows, command, started)
+        print(f"written into {DOC}", file=sys.stderr)
+
+
+if __name__ == "__main__":
+    main()
