@@ -538,8 +538,7 @@ class EmulatedHost:
         if graceful:
             counts["abandoned"] += len(self.queue)
             self.pending += [
-                {"result_id": job.assignment["result_id"], "abandoned": True}
-                for job in self.queue
+                {"result_id": job.assignment["result_id"], "abandoned": True} for job in self.queue
             ]
             self.queue.clear()
             try:
