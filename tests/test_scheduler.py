@@ -522,3 +522,31 @@ def test_with_adaptive_replication_off_even_a_trusted_host_never_works_alone():
     scheduler(ledger, 7, config).plan(host, request(capacity=N_WUS), NOW)
     assert _singles(ledger) == set()
     assert len(ledger.unsent) == N_WUS
+
+
+# ---- switches for the communication benchmark ------------------------------------------------
+
+
+def test_without_cache_preference_work_goes_oldest_first_and_the_bytes_saved_are_counted():
+    ledger = make_ledger([make_wu(1), make_wu(2), make_wu(3)], replicas=1)
+    ledger.panel_bytes.update(PANEL_BYTES)
+    config = dataclasses.replace(CONFIG, cache_preference=False)
+
+    plan = scheduler(ledger, config=config).plan(
+        make_host(1), request(cached=["a3", "b3"], capacity=3), NOW
+    )
+
+    assert assigned_wus(plan) == ["wu-1", "wu-2", "wu-3"]
+    assert plan.bytes_saved == 1_100
+
+
+def test_without_hash_only_replicas_every_replica_uploads_its_tile():
+    ledger = make_ledger([make_wu(1)], replicas=3)
+    sched = scheduler(ledger, config=dataclasses.replace(CONFIG, hash_only_replicas=False))
+
+    uploads = [
+        sched.plan(make_host(h), request(), NOW).assignments[0].result.upload_tile
+        for h in (1, 2, 3)
+    ]
+
+    assert uploads == [True, True, True]
