@@ -2,8 +2,8 @@
 
 Run:  .venv/bin/python benchmarks/coordinator_process.py DIR --port P [--products N] ...
 
-It prints its URL and publishes products of TILES x TILES work units each (k = 8, so a tile
-costs a volunteer microseconds and the time is the coordinator's), one after another. Once
+It prints its URL and publishes products of TILES x TILES work units each (by default k = 8,
+so a tile costs a volunteer microseconds and the time is the coordinator's), one after another. Once
 WAIT_HOSTS hosts have registered it measures, for DURATION seconds (or until PRODUCTS are
 done), the work units assimilated, and prints one JSON line: work units, seconds, and the CPU
 seconds the coordinator used (all its threads). `--cpu N` pins it to one core, as the
@@ -33,8 +33,6 @@ from coordinator.api import serve  # noqa: E402
 from coordinator.engine import Coordinator, CoordinatorConfig  # noqa: E402
 from coordinator.queue import WorkQueue  # noqa: E402
 from coordinator.workunits import Policy, WorkUnit, WuState  # noqa: E402
-
-K = 8  # inner dimension: a tile is 2*tile*tile*K flops, nothing
 
 
 def count_assimilated(coordinator: Coordinator) -> list[int]:
@@ -72,8 +70,8 @@ async def run(args: argparse.Namespace) -> dict:
     async def products() -> None:
         step = 0
         while args.products == 0 or step < args.products:
-            a = rng.standard_normal((size, K)).astype(np.float32)
-            b = rng.standard_normal((K, size)).astype(np.float32)
+            a = rng.standard_normal((size, args.k)).astype(np.float32)
+            b = rng.standard_normal((args.k, size)).astype(np.float32)
             await queue.matmul(a, b, step=step)
             step += 1
 
@@ -113,6 +111,7 @@ def main() -> None:
     parser.add_argument("--port", type=int, required=True)
     parser.add_argument("--tiles", type=int, default=40, help="tiles per side")
     parser.add_argument("--tile", type=int, default=4)
+    parser.add_argument("--k", type=int, default=8, help="inner dimension (8: tiles cost nothing)")
     parser.add_argument("--products", type=int, default=2, help="0: one after another, forever")
     parser.add_argument(
         "--duration", type=float, default=0.0, help="measure this long (0: until the products end)"
