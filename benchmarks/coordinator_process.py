@@ -27,12 +27,18 @@ sys.path[:] = [p for p in sys.path if os.path.abspath(p or ".") != _HERE]
 sys.path.insert(0, os.path.dirname(_HERE))
 
 import numpy as np  # noqa: E402
+from aiohttp import web  # noqa: E402
 
 from coordinator.access import AccessConfig  # noqa: E402
 from coordinator.api import serve  # noqa: E402
 from coordinator.engine import Coordinator, CoordinatorConfig  # noqa: E402
 from coordinator.queue import WorkQueue  # noqa: E402
 from coordinator.workunits import Policy, WorkUnit, WuState  # noqa: E402
+
+
+def percentile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))] if ordered else float("nan")
 
 
 def count_assimilated(coordinator: Coordinator) -> list[int]:
@@ -61,7 +67,18 @@ async def run(args: argparse.Namespace) -> dict:
     )
     coordinator = Coordinator(config)
     assimilated = count_assimilated(coordinator)
-    runner, url = await serve(coordinator, "127.0.0.1", args.port)
+    work_seconds: list[float] = []  # server side, from the request's arrival to the reply
+
+    @web.middleware
+    async def timed(request: web.Request, handler):
+        started = time.perf_counter()
+        try:
+            return await handler(request)
+        finally:
+            if request.path == "/v1/work":
+                work_seconds.append(time.perf_counter() - started)
+
+    runner, url = await serve(coordinator, "127.0.0.1", args.port, outer=[timed])
     print(url, flush=True)
     rng = np.random.default_rng(0)
     size = args.tiles * args.tile
@@ -79,6 +96,7 @@ async def run(args: argparse.Namespace) -> dict:
     while len(coordinator.ledger.hosts) < args.wait_hosts:
         await asyncio.sleep(0.05)
     base, cpu, wall = assimilated[0], time.process_time(), time.perf_counter()
+    work_seconds.clear()
     if args.duration:
         await asyncio.wait([producing], timeout=args.duration)
     else:
@@ -93,6 +111,10 @@ async def run(args: argparse.Namespace) -> dict:
         "cpu_seconds": cpu,
         "wu_per_s": wus / seconds,
         "hosts": len(coordinator.ledger.hosts),
+        "wu_per_cpu_s": wus / cpu if cpu else 0.0,
+        "work_requests": len(work_seconds),
+        "work_p50_ms": 1000 * percentile(work_seconds, 0.50),
+        "work_p99_ms": 1000 * percentile(work_seconds, 0.99),
     }
     print(json.dumps(row), flush=True)
     if args.linger:  # serve on, so the hosts can leave cleanly, until told to stop

@@ -6,7 +6,7 @@ import asyncio
 import logging
 import math
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 
 import aiohttp
 from aiohttp import web
@@ -31,6 +31,7 @@ log = logging.getLogger(__name__)
 COORDINATOR = web.AppKey("coordinator", Coordinator)
 MAX_REGISTER_BYTES = 16 << 10
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+Middleware = Callable[[web.Request, Handler], Awaitable[web.StreamResponse]]
 
 
 def msgpack_response(message: dict, status: int = 200) -> web.Response:
@@ -209,11 +210,12 @@ async def admin_cancel_step(request: web.Request) -> web.Response:
     return msgpack_response({"step": step, **counts})
 
 
-def create_app(coordinator: Coordinator) -> web.Application:
-    """The aiohttp application; the coordinator starts and stops with it."""
+def create_app(coordinator: Coordinator, outer: Sequence[Middleware] = ()) -> web.Application:
+    """The aiohttp application; the coordinator starts and stops with it. `outer`
+    middlewares run first (a benchmark's own timing)."""
     app = web.Application(
         client_max_size=coordinator.config.max_report_bytes + (1 << 20),
-        middlewares=[errors, measured],
+        middlewares=[*outer, errors, measured],
     )
     app[COORDINATOR] = coordinator
 
@@ -257,13 +259,15 @@ def quiet_malformed_http() -> None:
         server_log.addFilter(MalformedHttpFilter())
 
 
-async def serve(coordinator: Coordinator, host: str, port: int) -> tuple[web.AppRunner, str]:
+async def serve(
+    coordinator: Coordinator, host: str, port: int, outer: Sequence[Middleware] = ()
+) -> tuple[web.AppRunner, str]:
     """Start serving; returns the runner (call `cleanup()` to stop) and the base URL."""
     quiet_malformed_http()
     # aiohttp's keep-alive timer runs from the connection's start and is not reset by
     # partial data: a client trickling its headers is dropped when it fires.
     runner = web.AppRunner(
-        create_app(coordinator),
+        create_app(coordinator, outer),
         access_log=None,
         keepalive_timeout=coordinator.config.header_timeout,
     )
