@@ -155,6 +155,9 @@ async def blob(request: web.Request) -> web.StreamResponse:
     blob_id = request.match_info["blob_id"]
     if not is_blob_id(blob_id):
         raise protocol.BadRequest(f"malformed blob id {blob_id!r:.80}")
+    data = co.blobs.recent.get(blob_id)
+    if data is not None:
+        return web.Response(body=data, headers={"Content-Type": "application/octet-stream"})
     path = co.blobs.path(blob_id)
     if not path.is_file():
         raise NotFound(f"no blob {blob_id}")

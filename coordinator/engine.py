@@ -77,6 +77,7 @@ class CoordinatorConfig:
     freivalds_rounds: int = 8
     tail_fraction: float = 0.9  # share of a GEMM's tiles done before spares are issued
     max_blob_bytes: int = 64 << 20
+    blob_memory_bytes: int = 64 << 20  # recent blobs served from memory, not from disk
     max_report_bytes: int = 96 << 20
     max_request_bytes: int = 1 << 20
     reply_ttl: float = 3600.0
@@ -138,7 +139,9 @@ class Coordinator:
         self.directory = Path(config.directory)
         self.directory.mkdir(parents=True, exist_ok=True)
         self.store = store or SqliteStore(self.directory / "state.db")
-        self.blobs = BlobStore(self.directory / "blobs", config.max_blob_bytes)
+        self.blobs = BlobStore(
+            self.directory / "blobs", config.max_blob_bytes, config.blob_memory_bytes
+        )
         self.ledger = Ledger(self.store)
         rng = random.Random(config.seed) if config.seed is not None else random.SystemRandom()
         self.scheduler = Scheduler(self.ledger, config.scheduler, rng)
@@ -534,7 +537,7 @@ class Coordinator:
 
         def delete() -> None:
             for blob in blobs:
-                self.blobs.path(blob).unlink(missing_ok=True)
+                self.blobs.delete(blob)
                 self.ledger.panel_bytes.pop(blob, None)
 
         await asyncio.to_thread(delete)

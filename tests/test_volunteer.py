@@ -138,7 +138,10 @@ async def test_a_volunteer_killed_with_sigkill_has_its_work_redone_by_another(
 
 
 async def test_a_corrupt_blob_is_rejected_and_reported_never_computed(tmp_path, job, reaper):
-    process, url, _, _ = await job([(64, 64, 32, False, False)], "--tile", "32")
+    # Served from disk (not from the coordinator's memory), where the test corrupts it.
+    process, url, _, _ = await job(
+        [(64, 64, 32, False, False)], "--tile", "32", "--blob-memory", "0"
+    )
     count = "SELECT COUNT(*) FROM workunits"
     await wait_until(lambda: committed(tmp_path / "project", count)[0][0] == 4)
     blobs = sorted((tmp_path / "project" / "blobs").rglob("*"))

@@ -27,6 +27,7 @@ async def run(args: argparse.Namespace) -> None:
             policy=Policy(args.policy),
             redundancy=Redundancy(delay_bound=args.delay_bound),
             no_work_delay=0.2,
+            blob_memory_bytes=args.blob_memory,
         )
     )
     runner, url = await serve(coordinator, "127.0.0.1", args.port)
@@ -61,6 +62,7 @@ def main() -> None:
     parser.add_argument("--tile", type=int, default=16)
     parser.add_argument("--policy", default="quorum")
     parser.add_argument("--delay-bound", type=float, default=60.0)
+    parser.add_argument("--blob-memory", type=int, default=64 << 20, help="0: serve from disk")
     asyncio.run(run(parser.parse_args()))
 
 
