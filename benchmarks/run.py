@@ -107,13 +107,12 @@ def kernel_rows(quick: bool) -> list[Row]:
 
 
 async def _coordinator_at(
-    hosts: int, window: float, profile: str, product: list[str], long_poll: bool
+    core: int, hosts: int, window: float, profile: str, product: list[str], long_poll: bool
 ) -> tuple[dict, object]:
-    """A coordinator process on the first core; `hosts` emulated hosts in this process."""
+    """A coordinator process pinned to `core`; `hosts` emulated hosts in this process."""
     from volunteer.emulator import run_emulation
     from volunteer.profile import parse
 
-    cores = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else [0]
     with tempfile.TemporaryDirectory() as tmp:
         process = subprocess.Popen(
             [
@@ -121,7 +120,7 @@ async def _coordinator_at(
                 str(ROOT / "benchmarks" / "coordinator_process.py"),
                 f"{tmp}/project",
                 *("--port", "0", "--products", "0", "--duration", str(window), "--linger"),
-                *("--wait-hosts", str(hosts), "--cpu", str(cores[0]), *product),
+                *("--wait-hosts", str(hosts), "--cpu", str(core), *product),
             ],
             stdout=subprocess.PIPE,
             stderr=subprocess.DEVNULL,
@@ -160,16 +159,17 @@ async def _coordinator_at(
 
 @contextlib.contextmanager
 def emulator_on_last_core():
-    """The coordinator process pins itself to the first core; the emulator gets the last."""
+    """Pins this process (the emulator) to the last core; yields the first, for the
+    coordinator."""
     if not hasattr(os, "sched_setaffinity"):
-        yield
+        yield 0
         return
     before = os.sched_getaffinity(0)
     cores = sorted(before)
     if len(cores) > 1:
         os.sched_setaffinity(0, {cores[-1]})
     try:
-        yield
+        yield cores[0]
     finally:
         os.sched_setaffinity(0, before)
 
@@ -181,8 +181,8 @@ TRAINING_LIKE = ["--tile", "128", "--k", "512", "--tiles", "8"]  # 64 of 16.8 MF
 def coordinator_rows(quick: bool) -> list[Row]:
     rows = []
     window = 5.0 if quick else 20.0
-    with emulator_on_last_core():
-        result, report = asyncio.run(_coordinator_at(100, window, "loopback", TINY, True))
+    with emulator_on_last_core() as core:
+        result, report = asyncio.run(_coordinator_at(core, 100, window, "loopback", TINY, True))
         cpu = result.get("cpu_seconds", 0.0) / max(result.get("seconds", 1.0), 1e-9)
         rows.append(
             Row(
@@ -206,7 +206,7 @@ def coordinator_rows(quick: bool) -> list[Row]:
         )
         for hosts in [100] if quick else [100, 1000, 10000]:
             result, report = asyncio.run(
-                _coordinator_at(hosts, window, "mixed", TRAINING_LIKE, False)
+                _coordinator_at(core, hosts, window, "mixed", TRAINING_LIKE, False)
             )
             p99 = result.get("work_p99_ms", float("nan"))
             client = report.latency.get("work", {})

@@ -224,6 +224,16 @@ async def test_a_coordinator_killed_in_five_steps_out_of_eight_resumes_bitwise_e
     await kill_coordinator_mid_steps(tmp_path, reaper, steps=8, kill_in=[1, 3, 4, 6, 8])
 
 
+def launch(tmp_path: Path, reaper, steps: int):
+    """The local reference run, and two volunteers for the distributed one (checkpoint at
+    every step); the caller starts the coordinator."""
+    local, remote = make_pair(tmp_path, steps, **settings(**{"training.checkpoint_every": 1}))
+    port = free_port()
+    url, log = f"http://127.0.0.1:{port}", tmp_path / "coordinator.log"
+    crew = [reaper(start_volunteer(url, tmp_path / f"v{i}")) for i in range(2)]
+    return local, remote, port, url, log, crew
+
+
 # ---- the operator cancels a step ---------------------------------------------------------
 
 
@@ -231,10 +241,7 @@ async def test_a_cancelled_step_stops_training_and_a_restart_runs_it_again_bitwi
     tmp_path, reaper
 ):
     steps = 3
-    local, remote = make_pair(tmp_path, steps, **settings(**{"training.checkpoint_every": 1}))
-    port = free_port()
-    url, log = f"http://127.0.0.1:{port}", tmp_path / "coordinator.log"
-    crew = [reaper(start_volunteer(url, tmp_path / f"v{i}")) for i in range(2)]
+    local, remote, port, url, log, crew = launch(tmp_path, reaper, steps)
     try:
         coordinator = reaper(start_coordinator(remote, port, log))
         await wait_until(lambda: started(remote, 2), timeout=RUN_TIMEOUT)
@@ -313,10 +320,7 @@ async def test_an_unwritable_blob_store_loses_nothing_and_a_restart_finishes_bit
     tmp_path, reaper
 ):
     steps = 4
-    local, remote = make_pair(tmp_path, steps, **settings(**{"training.checkpoint_every": 1}))
-    port = free_port()
-    url, log = f"http://127.0.0.1:{port}", tmp_path / "coordinator.log"
-    crew = [reaper(start_volunteer(url, tmp_path / f"v{i}")) for i in range(2)]
+    local, remote, port, _, log, crew = launch(tmp_path, reaper, steps)
     try:
         coordinator = reaper(start_coordinator(remote, port, log))
         await wait_until(lambda: started(remote, 2), timeout=RUN_TIMEOUT)

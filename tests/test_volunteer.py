@@ -266,3 +266,12 @@ async def test_a_volunteer_unknown_to_a_new_coordinator_registers_again(tmp_path
     new = json.loads((tmp_path / "vol" / "identity.json").read_text())
     assert new["token"] != old["token"]
     assert "registering again" in (tmp_path / "vol" / "out").read_text()
+
+
+def test_a_volunteer_asks_for_work_when_its_queue_is_down_to_half():
+    from volunteer.daemon import time_to_ask
+
+    assert not time_to_ask(queued=5, capacity=3)  # wants 8, holds 5: not yet
+    assert time_to_ask(queued=4, capacity=4)  # down to half: ask for 4
+    assert time_to_ask(queued=0, capacity=1)
+    assert not time_to_ask(queued=2, capacity=0)  # full

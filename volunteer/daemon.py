@@ -59,6 +59,12 @@ def current_rss_mb() -> float:
         return peak_rss_mb()
 
 
+def time_to_ask(queued: int, capacity: int) -> bool:
+    """Ask for work once the queue is down to half of what we want (BOINC's work-fetch
+    hysteresis): one request then brings several tiles, not one request per tile."""
+    return capacity > 0 and queued <= (queued + capacity) // 2
+
+
 @dataclass(frozen=True)
 class VolunteerConfig:
     url: str
@@ -234,7 +240,7 @@ class Volunteer:
             return
         capacity = self._capacity()
         reply = None
-        if self._time_to_ask(capacity) or (self.pending_reports and not self.queue):
+        if time_to_ask(len(self.queue), capacity) or (self.pending_reports and not self.queue):
             await self._flush_reports(client)
             reply = await client.request_work(
                 f"{self._session_id}-{next(self._requests)}",
@@ -262,11 +268,6 @@ class Volunteer:
             delay = self.idle.next_delay(at_least=float(reply.get("delay", 0.0)))
             self.stats.note = f"no work; next ask in {delay:.1f}s"
             await _wait(stop, delay)
-
-    def _time_to_ask(self, capacity: int) -> bool:
-        """Ask for work once the queue is down to half of what we want (BOINC's work-fetch
-        hysteresis): one request then brings several tiles, not one request per tile."""
-        return capacity > 0 and len(self.queue) <= (len(self.queue) + capacity) // 2
 
     def _capacity(self) -> int:
         """How many more tiles to ask for: about two seconds of work, within memory."""

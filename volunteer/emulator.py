@@ -34,6 +34,7 @@ import kernels
 from volunteer.backoff import Backoff
 from volunteer.cache import BlobCache
 from volunteer.client import CoordinatorClient, ServerRefused, compute_tile
+from volunteer.daemon import time_to_ask
 from volunteer.profile import HostTraits, Profile
 from volunteer.profile import load as load_profile
 
@@ -333,7 +334,7 @@ class EmulatedHost:
     async def _cycle(self, stop: asyncio.Event) -> None:
         capacity = self._capacity()
         reply = None
-        if self._time_to_ask(capacity) or (self.pending and not self.queue):
+        if time_to_ask(len(self.queue), capacity) or (self.pending and not self.queue):
             await self._flush()
             wait = self.em.long_poll and not self.queue
             message = {
@@ -361,11 +362,6 @@ class EmulatedHost:
                 await self._flush()
         elif reply is not None and not reply["assignments"]:
             await _wait(stop, self.idle.next_delay(at_least=float(reply.get("delay", 0.0))))
-
-    def _time_to_ask(self, capacity: int) -> bool:
-        """Ask for work once the queue is down to half of what we want (BOINC's work-fetch
-        hysteresis): one request then brings several tiles, not one request per tile."""
-        return capacity > 0 and len(self.queue) <= (len(self.queue) + capacity) // 2
 
     def _capacity(self) -> int:
         if self.tile_flops:
