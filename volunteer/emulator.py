@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import contextvars
+import functools
 import itertools
 import logging
 import math
@@ -635,24 +636,24 @@ class Emulation:
         if wu in self.tiles:
             self.tiles.move_to_end(wu)
             return self.tiles[wu]
-        if wu in self.computing:
-            return await asyncio.shield(self.computing[wu])
-        future = self.computing[wu] = loop.create_future()
-        try:
-            done = await loop.run_in_executor(self.pool, compute_tile, assignment, a, b)
-        except BaseException as exc:
-            future.set_exception(exc)
-            future.exception()  # retrieved: other waiters get it, nobody else must
-            raise
-        finally:
-            del self.computing[wu]
-        future.set_result(done)
+        if wu not in self.computing:
+            # One computation shared by every replica; shielded, so a host that gives up
+            # (its session ends) cancels only its own wait, never the others' result.
+            shared = loop.run_in_executor(self.pool, compute_tile, assignment, a, b)
+            self.computing[wu] = shared
+            shared.add_done_callback(functools.partial(self._computed, wu))
+        return await asyncio.shield(self.computing[wu])
+
+    def _computed(self, wu: str, shared: asyncio.Future) -> None:
+        del self.computing[wu]
+        if shared.cancelled() or shared.exception() is not None:
+            return  # the waiters get the error; nothing is kept
+        done = shared.result()
         self.tiles[wu] = done
         self.tile_bytes += len(done[1])
         while self.tile_bytes > SHARED_TILE_BYTES and self.tiles:
             _, (_, old) = self.tiles.popitem(last=False)
             self.tile_bytes -= len(old)
-        return done
 
     def new_host(self, slot: int, generation: int) -> EmulatedHost:
         traits = self.profile.draw(self.rng)
