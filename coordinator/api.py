@@ -19,9 +19,8 @@ from coordinator.protocol import (
     NotFound,
     ProtocolError,
     RequestTimeout,
-    StorageUnavailable,
+    RetryLater,
     TooLarge,
-    TooManyRequests,
     UnsupportedMediaType,
 )
 from kernels import is_blob_id
@@ -59,7 +58,7 @@ async def errors(request: web.Request, handler: Handler) -> web.StreamResponse:
             exc.message,
         )
         response = error_response(exc.status, exc.code, exc.message)
-        if isinstance(exc, (TooManyRequests, StorageUnavailable)):
+        if isinstance(exc, RetryLater):
             response.headers["Retry-After"] = str(max(1, math.ceil(exc.retry_after)))
         return response
     except web.HTTPRequestEntityTooLarge as exc:

@@ -70,26 +70,27 @@ class RequestTimeout(ProtocolError):
     code = "request_timeout"
 
 
-class TooManyRequests(ProtocolError):
-    """Over a rate limit; `retry_after` seconds until it is worth trying again."""
+class RetryLater(ProtocolError):
+    """A refusal for now, not for good: `retry_after` seconds until it is worth trying again
+    (sent as the Retry-After header)."""
+
+    def __init__(self, message: str, retry_after: float) -> None:
+        super().__init__(message)
+        self.retry_after = retry_after
+
+
+class TooManyRequests(RetryLater):
+    """Over a rate limit."""
 
     status = 429
     code = "too_many_requests"
 
-    def __init__(self, message: str, retry_after: float) -> None:
-        super().__init__(message)
-        self.retry_after = retry_after
 
-
-class StorageUnavailable(ProtocolError):
+class StorageUnavailable(RetryLater):
     """The coordinator cannot write its blob store just now; the report is worth resending."""
 
     status = 503
     code = "storage_unavailable"
-
-    def __init__(self, message: str, retry_after: float) -> None:
-        super().__init__(message)
-        self.retry_after = retry_after
 
 
 class TooLarge(ProtocolError):
