@@ -120,13 +120,16 @@ def test_a_malformed_profile_names_the_key_and_what_is_wrong(text, message):
     assert str(caught.value).startswith("p.toml")
 
 
-def test_lies_are_well_formed_and_wrong():
-    tile = kernels.encode_array(np.arange(12, dtype=np.float32).reshape(3, 4))
+def test_lies_are_well_formed_wrong_and_independent():
+    tile = kernels.encode_array(np.arange(64 * 64, dtype=np.float32).reshape(64, 64))
     for lie in ("big", "one_ulp", "zero", "nan"):
-        wrong = falsify(tile, lie)
+        wrong = falsify(tile, lie, random.Random(1))
         array = kernels.decode_array(wrong)
-        assert array.shape == (3, 4) and array.dtype == np.float32
+        assert array.shape == (64, 64) and array.dtype == np.float32
         assert wrong != tile
+        # Two liars are two faulty hosts, not a conspiracy: a quorum of two must not see the
+        # same wrong tile twice (a CI run once trained on two identical zero tiles).
+        assert falsify(tile, lie, random.Random(2)) != wrong
 
 
 def test_hints_name_the_project_setting_when_registrations_are_refused():

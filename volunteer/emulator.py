@@ -482,7 +482,7 @@ class EmulatedHost:
             self.pending.append({"result_id": result_id, "error": "emulated client error"})
             return
         if draw < self.traits.error_rate + self.traits.lie_rate:
-            tile = falsify(tile, self.rng.choice(LIES))
+            tile = falsify(tile, self.rng.choice(LIES), self.rng)
             output_hash = kernels.blob_id(tile)
             self.em.totals.counts["lies"] += 1
             self.lied = True
@@ -562,18 +562,25 @@ def _done() -> asyncio.Future:
     return future
 
 
-def falsify(tile: bytes, lie: str) -> bytes:
-    """A wrong tile of the right shape and dtype (tests/liar.py's well-formed lies)."""
+def falsify(tile: bytes, lie: str, rng: random.Random) -> bytes:
+    """A wrong tile of the right shape and dtype (tests/liar.py's well-formed lies).
+
+    Each lie is drawn from the host's own generator: emulated liars are independent faulty
+    hosts, so two of them never send the same wrong tile by construction (a quorum of two
+    would accept it). Colluding liars are tests/test_byzantine.py's subject, not the
+    emulator's."""
     wrong = kernels.decode_array(tile).copy()
+    where = rng.randrange(wrong.size)
     if lie == "big":
-        wrong.flat[0] += np.float32(1000.0)
+        wrong.flat[where] += np.float32(1000.0 + rng.random() * 1000.0)
     elif lie == "one_ulp":
-        i = int(np.argmax(np.abs(wrong)))
-        wrong.flat[i] = np.nextafter(wrong.flat[i], np.float32(np.inf))
+        wrong.flat[where] = np.nextafter(wrong.flat[where], np.float32(np.inf))
     elif lie == "zero":
-        wrong[...] = 0
+        # A computation that stopped part-way: the rows from a random one on are zeros.
+        wrong[where // wrong.shape[1] :] = 0
+        wrong.flat[where] = np.float32(1.0 + rng.random())  # and one stray value of its own
     else:
-        wrong.flat[wrong.size // 2] = np.nan
+        wrong.flat[where] = np.nan
     return kernels.encode_array(wrong)
 
 
