@@ -766,24 +766,27 @@ class Coordinator:
         """The first valid result won: in-progress replicas are aborted, unsent ones dropped."""
         for r in self.ledger.results_for(wu.id):
             if r.server_state is ServerState.IN_PROGRESS:
-                self.ledger.put_result(
-                    r.evolve(server_state=ServerState.OVER, outcome=Outcome.ABORTED)
-                )
-                self.ledger.log(
-                    [
-                        Event(
-                            now,
-                            "result",
-                            "aborted",
-                            "not needed: the work unit is validated",
-                            wu.step,
-                            wu.gemm_id,
-                            wu.id,
-                            r.id,
-                            r.host_id,
-                        )
-                    ]
-                )
+                outcome = Outcome.ABORTED
+            elif r.server_state is ServerState.UNSENT:
+                outcome = Outcome.DIDNT_NEED
+            else:
+                continue
+            self.ledger.put_result(r.evolve(server_state=ServerState.OVER, outcome=outcome))
+            self.ledger.log(
+                [
+                    Event(
+                        now,
+                        "result",
+                        outcome.value,
+                        "not needed: the work unit is validated",
+                        wu.step,
+                        wu.gemm_id,
+                        wu.id,
+                        r.id,
+                        r.host_id,
+                    )
+                ]
+            )
 
     async def _assimilate(self, wu: WorkUnit, now: float) -> None:
         output = self.outputs.get(wu.gemm_id)
@@ -816,6 +819,7 @@ class Coordinator:
             current is not None and current.state is not GemmState.ACTIVE
         ):
             return  # failed or cancelled while its last tile was being read: it stays so
+        await self._judge_late(output.gemm.id, now)
         gemm = output.gemm.evolve(state=GemmState.DONE)
         self.ledger.put_gemm(gemm)
         self.ledger.log(
@@ -837,6 +841,14 @@ class Coordinator:
             del self._checks[result_id]
         if not output.done.done():
             output.done.set_result(output.out)
+
+    async def _judge_late(self, gemm_id: str, now: float) -> None:
+        """Replicas that arrived after their tile was decided are compared with the canonical
+        tile now: once the GEMM leaves memory, nothing would judge them (and a late liar
+        would go unnoticed)."""
+        for wu in self.ledger.workunits_for(gemm_id):
+            if validator.awaiting_verdict(self.ledger.results_for(wu.id)):
+                await self._validate(wu.id, now)
 
     def _fail_gemm(self, wu: WorkUnit, reason: str, now: float) -> None:
         gemm = self.ledger.gemms.get(wu.gemm_id)

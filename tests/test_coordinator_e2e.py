@@ -184,3 +184,55 @@ async def test_a_waiting_work_request_gets_work_as_soon_as_it_is_published(tmp_p
         idle = await client.request_work("w2", capacity=0, in_progress=busy)
         assert idle["assignments"] == []  # nothing asked for: answered at once
         product.cancel()
+
+
+async def test_replicas_nobody_needs_end_judged_or_dropped_when_their_product_is_done(
+    tmp_path, rng
+):
+    # Four replicas per tile and three hosts: each tile keeps one replica nobody was sent.
+    # The third host's copy of one tile arrives after that tile was decided, in the same pass
+    # as the quorum that completes the product (the demo left such results "pending").
+    redundancy = Redundancy(target_nresults=4, min_quorum=2)
+    async with running(tmp_path, tile=16, redundancy=redundancy) as (co, queue, url):
+        a, b = operands(rng, 32, 16, 8, False, False)  # two tiles
+        product = asyncio.ensure_future(queue.matmul(a, b))
+        await wait_until(lambda: len(co.ledger.unsent) == 8)
+        stop = asyncio.Event()
+        clients = [CoordinatorClient(url) for _ in range(3)]
+        reports: list[dict[str, dict]] = []
+        for i, client in enumerate(clients):
+            await client.__aenter__()
+            await client.register(f"h{i}")
+            reply = await client.request_work(f"h{i}-0", capacity=2)
+            helper = ScriptedVolunteer(url, f"h{i}")
+            by_wu = {}
+            for assignment in reply["assignments"]:
+                wu = co.ledger.results[assignment["result_id"]].wu_id
+                by_wu[wu] = await helper._compute(client, stop, assignment)
+            reports.append(by_wu)
+        first, last = sorted(reports[0])  # the pass validates work units in this order
+        gemm_id = co.ledger.wus[last].gemm_id
+        try:
+            await clients[0].report([reports[0][last]])
+            await clients[1].report([reports[1][last]])
+            await wait_until(lambda: co.ledger.wus[last].canonical_hash is not None)
+            async with co._pass_lock:  # the next three reports land in one pass
+                await clients[2].report([reports[2][last]])
+                await clients[0].report([reports[0][first]])
+                await clients[1].report([reports[1][first]])
+            got = await asyncio.wait_for(product, TIMEOUT)
+        finally:
+            for client in clients:
+                await client.__aexit__(None, None, None)
+        assert np.array_equal(bits(got), bits(kernels.gemm(a, b)))
+        late = reports[2][last]["result_id"]
+        _, results = await co.store.gemm_work(gemm_id)
+        states = {
+            r.id: (r.server_state.value, r.outcome.value, r.validate_state.value) for r in results
+        }
+        assert len(states) == 8
+        assert states[late] == ("over", "success", "valid")
+        assert [s for s in states.values() if s[0] == "unsent"] == []
+        assert [s for s in states.values() if s[1] == "success" and s[2] == "init"] == []
+        judged = await co.store.events(kind="validation", state="valid")
+        assert any(e.result_id == late and "late" in e.message for e in judged)

@@ -47,7 +47,8 @@ class Decision:
     decided: bool = False  # the work unit got its canonical result just now
 
 
-def _pending(results: list[Result]) -> list[Result]:
+def awaiting_verdict(results: list[Result]) -> list[Result]:
+    """Successful results not yet judged valid or invalid."""
     waiting = (ValidateState.INIT, ValidateState.INCONCLUSIVE)
     return [r for r in results if r.outcome is Outcome.SUCCESS and r.validate_state in waiting]
 
@@ -82,7 +83,7 @@ def tiles_to_check(wu: WorkUnit, results: list[Result]) -> list[Result]:
     if wu.state in WU_DECIDED:
         return []
     if single_replica(wu):
-        return [r for r in sorted(_pending(results), key=_arrival) if r.has_tile]
+        return [r for r in sorted(awaiting_verdict(results), key=_arrival) if r.has_tile]
     if wu.policy is Policy.BOTH:
         with_tile = [r for r in quorum_group(wu, results) if r.has_tile]
         return with_tile[:1]
@@ -113,7 +114,7 @@ def decide(wu: WorkUnit, results: list[Result], checks: dict[str, Check], now: f
             out.verdicts.append((changed, state is ValidateState.VALID))
 
     if wu.state in WU_DECIDED:
-        _late(wu, _pending(results), mark)
+        _late(wu, awaiting_verdict(results), mark)
     elif single_replica(wu):
         _decide_single(wu, results, checks, mark, out, now)
     else:
@@ -156,7 +157,7 @@ def _set_canonical(out: Decision, canonical: Result, now: float, why: str) -> No
 
 def _decide_single(wu, results, checks, mark, out: Decision, now: float) -> None:
     canonical = None
-    for r in sorted(_pending(results), key=_arrival):
+    for r in sorted(awaiting_verdict(results), key=_arrival):
         if not r.has_tile:
             continue
         check = checks.get(r.id)
@@ -170,7 +171,7 @@ def _decide_single(wu, results, checks, mark, out: Decision, now: float) -> None
     if canonical is None:
         return
     _set_canonical(out, canonical, now, "tile passed Freivalds")
-    for r in _pending(results):
+    for r in awaiting_verdict(results):
         if r.has_tile:
             continue
         if r.output_hash == canonical.output_hash:
@@ -180,7 +181,7 @@ def _decide_single(wu, results, checks, mark, out: Decision, now: float) -> None
 
 
 def _decide_quorum(wu, results, checks, mark, out: Decision, now: float) -> None:
-    pending = _pending(results)
+    pending = awaiting_verdict(results)
     group = quorum_group(wu, results)
     if not group:
         successes = [
