@@ -486,8 +486,12 @@ class Coordinator:
         return tile
 
     def _apply_report(self, host, entry, result: Result, wu: WorkUnit, has_tile, now) -> str:
-        # Re-read: a deadline or a concurrent retry of this report may have changed it since.
-        result = self.ledger.results.get(result.id, result)
+        # Re-read: a deadline or a concurrent retry of this report may have changed it since,
+        # or its GEMM finished and left memory while the tiles were being stored.
+        current = self.ledger.results.get(result.id)
+        if current is None:
+            return "late"
+        result = current
         if result.outcome in (Outcome.SUCCESS, Outcome.CLIENT_ERROR):
             return "duplicate"
         late = result.server_state is ServerState.OVER
@@ -834,11 +838,14 @@ class Coordinator:
                 )
             ]
         )
-        await self.ledger.flush()
+        # Forgotten before the commit, with no await since the late replicas were judged: a
+        # report that arrives while the commit runs finds the GEMM gone and is answered
+        # "late", rather than applied to records that are about to leave memory unjudged.
         self.outputs.pop(gemm.id, None)
         self.ledger.forget_gemm(gemm.id)
         for result_id in [r for r in self._checks if r not in self.ledger.results]:
             del self._checks[result_id]
+        await self.ledger.flush()
         if not output.done.done():
             output.done.set_result(output.out)
 
