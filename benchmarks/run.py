@@ -103,6 +103,14 @@ def kernel_rows(quick: bool) -> list[Row]:
             verdict(r["freivalds"] <= 0.05),
             "memory-bound: reading A, B and C is most of it",
         ),
+        Row(
+            "validation",
+            "the same, in tilehive's path (each right after loading its operands from a "
+            "BlobStore on disk)",
+            f"{100 * r['freivalds_path']:.1f}%",
+            "<= 5%",
+            verdict(r["freivalds_path"] <= 0.05),
+        ),
     ]
 
 
