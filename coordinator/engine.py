@@ -768,11 +768,18 @@ class Coordinator:
 
     def _cancel_rest(self, wu: WorkUnit, now: float) -> None:
         """The first valid result won: in-progress replicas are aborted, unsent ones dropped."""
+        self._end_replicas(wu, "not needed: the work unit is validated", now)
+
+    def _end_replicas(self, wu: WorkUnit, message: str, now: float) -> int:
+        """Unsent results become didnt_need, those in progress aborted (their hosts are told
+        in their next work reply); returns how many were aborted."""
+        aborted = 0
         for r in self.ledger.results_for(wu.id):
-            if r.server_state is ServerState.IN_PROGRESS:
-                outcome = Outcome.ABORTED
-            elif r.server_state is ServerState.UNSENT:
+            if r.server_state is ServerState.UNSENT:
                 outcome = Outcome.DIDNT_NEED
+            elif r.server_state is ServerState.IN_PROGRESS:
+                outcome = Outcome.ABORTED
+                aborted += 1
             else:
                 continue
             self.ledger.put_result(r.evolve(server_state=ServerState.OVER, outcome=outcome))
@@ -782,7 +789,7 @@ class Coordinator:
                         now,
                         "result",
                         outcome.value,
-                        "not needed: the work unit is validated",
+                        message,
                         wu.step,
                         wu.gemm_id,
                         wu.id,
@@ -791,6 +798,7 @@ class Coordinator:
                     )
                 ]
             )
+        return aborted
 
     async def _assimilate(self, wu: WorkUnit, now: float) -> None:
         output = self.outputs.get(wu.gemm_id)
@@ -909,31 +917,7 @@ class Coordinator:
 
     def _cancel_workunit(self, wu: WorkUnit, message: str, now: float) -> int:
         """Returns how many results in progress were aborted."""
-        aborted = 0
-        for r in self.ledger.results_for(wu.id):
-            if r.server_state is ServerState.UNSENT:
-                outcome = Outcome.DIDNT_NEED
-            elif r.server_state is ServerState.IN_PROGRESS:
-                outcome = Outcome.ABORTED
-                aborted += 1
-            else:
-                continue
-            self.ledger.put_result(r.evolve(server_state=ServerState.OVER, outcome=outcome))
-            self.ledger.log(
-                [
-                    Event(
-                        now,
-                        "result",
-                        outcome.value,
-                        message,
-                        wu.step,
-                        wu.gemm_id,
-                        wu.id,
-                        r.id,
-                        r.host_id,
-                    )
-                ]
-            )
+        aborted = self._end_replicas(wu, message, now)
         self.ledger.put_wu(
             wu.evolve(state=WuState.ERROR, error_mask=wu.error_mask | WuError.CANCELLED)
         )
