@@ -155,6 +155,9 @@ class Ledger:
             self.wus[wu.id] = wu
             self.wus_of[wu.gemm_id][wu.id] = None
             self.touched.add(wu.id)
+            # Due again at its transition time: the first pass may leave a work unit as it
+            # is (no deadline passed yet), and then nothing else would ever look at it.
+            self._schedule(wu)
         for result in snapshot.results:
             self.results[result.id] = result
             self._index(result)

@@ -414,3 +414,18 @@ def test_a_failed_wu_aborts_its_in_progress_replicas_so_their_hosts_drop_them():
     assert out.wu.state is WuState.ERROR
     (busy,) = [r for r in out.results if r.id == "busy"]
     assert busy.server_state is ServerState.OVER and busy.outcome is Outcome.ABORTED
+
+
+def test_a_restored_work_unit_comes_due_at_its_transition_time():
+    # A coordinator restarted before any deadline of a work unit passed must still time its
+    # results out later: it once never did, and a volunteer that had skipped the expired
+    # work was resent it (expired) over and over.
+    from coordinator.ledger import Ledger
+    from coordinator.store import Snapshot
+
+    wu = make_wu(transition_time=NOW + 30)
+    ledger = Ledger(store=None)
+    ledger.restore(Snapshot(hosts=[], gemms=[], workunits=[wu], results=[in_progress("r1")]))
+    assert ledger.pop_due(NOW) == {wu.id}  # the first pass looks at every restored one
+    assert ledger.next_due() == NOW + 30
+    assert ledger.pop_due(NOW + 30) == {wu.id}
