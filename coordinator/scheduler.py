@@ -2,7 +2,8 @@
 
 BOINC's rules and the fixes for what its users complain about:
 - never two replicas of one work unit to the same host (one bad host cannot form a quorum);
-- a host has an in-progress quota, cut when it returns invalid or no results;
+- a host has an in-progress quota, cut when it returns invalid or no results, and sized in
+  seconds of work once it has a long valid record (small tiles cost no round trip each);
 - results whose operand panels the host has cached come first (the bytes saved are counted);
 - the host lists what it is working on, so an assignment whose reply was lost is sent again
   and one the coordinator no longer needs is aborted: no ghost tasks;
@@ -13,6 +14,7 @@ BOINC's rules and the fixes for what its users complain about:
 
 from __future__ import annotations
 
+import math
 import random
 import statistics
 from dataclasses import dataclass, field
@@ -38,7 +40,11 @@ class SchedulerConfig:
     deadline_slack: float = 20.0  # times the host's expected compute time
     trust_threshold: int = 10  # consecutive valid results before adaptive replication
     adaptive_replication: bool = True  # off: every work unit gets its full replication
-    default_quota: int = 4  # in-progress results per host thread
+    # A host with trust_threshold valid results in a row may hold this many seconds of work
+    # at its measured speed, up to max_quota results, beyond its standing's count (see
+    # quota). Under deadline_floor: the last of them is still due in time.
+    quota_seconds: float = 2.0
+    max_quota: int = 64
     # Off: a host's cached panels no longer put the results that use them first (oldest
     # first only); for measuring what cache-aware scheduling saves on the wire.
     cache_preference: bool = True
@@ -70,6 +76,19 @@ def report_deadline(wu: WorkUnit, host: Host, now: float, config: SchedulerConfi
     """From delay_bound and the host's measured speed: never later than delay_bound."""
     expected = wu.flops / max(host.gflops, 1e-3) / 1e9
     return now + min(wu.delay_bound, config.deadline_floor + config.deadline_slack * expected)
+
+
+def quota(host: Host, flops: float, config: SchedulerConfig) -> int:
+    """In-progress results of `flops` each that a host may hold.
+
+    Its standing's count (host.max_in_progress: a few per thread, halved by each error) and,
+    once it has a long valid record, as many as make quota_seconds of work at its measured
+    speed, up to max_quota: tiles that take a millisecond would otherwise cost a round trip
+    each, and a product would wait on the network rather than on its volunteers."""
+    if host.consecutive_valid < config.trust_threshold:
+        return host.max_in_progress
+    by_time = int(config.quota_seconds * host.gflops * 1e9 / max(flops, 1.0))
+    return max(host.max_in_progress, min(config.max_quota, by_time))
 
 
 def memory_need(wu: WorkUnit, panel_bytes: dict[str, int]) -> int:
@@ -116,13 +135,19 @@ class Scheduler:
         for result_id in list(ledger.in_progress_of.get(host.id, ())):
             if result_id not in listed:
                 r = ledger.results[result_id]
+                if (r.report_deadline or math.inf) <= now:
+                    # Expired: the host would only skip it and ask again (a spin); the
+                    # transitioner times it out and reissues it.
+                    ledger.touched.add(r.wu_id)
+                    continue
                 plan.assignments.append(Assignment(r, ledger.wus[r.wu_id]))
                 plan.events.append(
                     _event(ledger.wus[r.wu_id], r, now, "resent", "reply was lost; resent")
                 )
         in_progress = len(ledger.in_progress_of.get(host.id, ()))
         # Resent work fills the host's capacity like new work does.
-        room = min(request.capacity - len(plan.assignments), host.max_in_progress - in_progress)
+        most = quota(host, 0.0, self.config)  # for the smallest work units
+        room = min(request.capacity - len(plan.assignments), most - in_progress)
         plan.room = max(0, room)
         if room <= 0:
             return plan
@@ -131,12 +156,13 @@ class Scheduler:
         for result_id in self._candidates(preferred):
             if room <= 0:
                 break
-            assignment = self._try_assign(host, result_id, now, plan)
+            assignment = self._try_assign(host, result_id, now, plan, held=in_progress)
             if assignment is None:
                 continue
             saved = {assignment.wu.a_panel, assignment.wu.b_panel} & cached
             plan.bytes_saved += sum(ledger.panel_bytes.get(p, 0) for p in saved)
             plan.assignments.append(assignment)
+            in_progress += 1
             room -= 1
         return plan
 
@@ -150,13 +176,15 @@ class Scheduler:
         yield from sorted(scores, key=lambda r: -scores[r])
         yield from (r for r in list(ledger.unsent) if r not in scores)
 
-    def _try_assign(self, host: Host, result_id: str, now: float, plan: Plan):
+    def _try_assign(self, host: Host, result_id: str, now: float, plan: Plan, held: int):
         ledger = self.ledger
         result = ledger.results.get(result_id)
         if result is None or result.server_state is not ServerState.UNSENT:
             return None
         wu = ledger.wus[result.wu_id]
         if wu.state is not WuState.ACTIVE or host.id in ledger.hosts_of_wu.get(wu.id, ()):
+            return None
+        if held >= quota(host, wu.flops, self.config):
             return None
         siblings = ledger.results_for(wu.id)
         if wu.accelerated and not fast_and_reliable(host, ledger):

@@ -9,6 +9,7 @@ from collections.abc import Iterable
 
 import pytest
 
+from coordinator import hosts as trust
 from coordinator.ledger import Ledger
 from coordinator.protocol import WorkRequest
 from coordinator.scheduler import (
@@ -203,6 +204,37 @@ def test_in_progress_quota_is_respected(quota, already, capacity, expected):
     assert len(ledger.in_progress_of[1]) == already + expected
 
 
+@pytest.mark.parametrize(
+    ("cv", "gflops", "size", "expected"),
+    [
+        # 64^3 tiles are 0.5 MFLOP: 2 s at 10 GFLOPS is far more than max_quota of them.
+        pytest.param(10, 10.0, (64, 64, 64), 40, id="trusted, small tiles: max_quota"),
+        pytest.param(9, 10.0, (64, 64, 64), 4, id="not yet trusted: its count"),
+        # 512^3 tiles are 268 MFLOP: 2 s at 1 GFLOPS is 7 of them.
+        pytest.param(10, 1.0, (512, 512, 512), 7, id="trusted, large tiles: 2 s of work"),
+        pytest.param(10, 0.1, (512, 512, 512), 4, id="trusted but slow: never below its count"),
+    ],
+)
+def test_a_trusted_host_may_hold_seconds_of_work_not_a_few_tiles(cv, gflops, size, expected):
+    # Tiles of a millisecond each, four at a time, cost a round trip each: a product of
+    # small tiles waited on the network, not on its volunteers.
+    config = dataclasses.replace(CONFIG, quota_seconds=2.0, max_quota=40)
+    ledger = make_ledger([make_wu(i, size=size) for i in range(60)], hosts=[make_host(1)])
+    host = make_host(1, cv=cv, gflops=gflops, max_in_progress=4)
+    plan = scheduler(ledger, config=config).plan(host, request(capacity=64), NOW)
+    assert len(plan.assignments) == expected
+    # Every one is due in time even if the host computes them one after another.
+    assert all(a.result.report_deadline >= NOW + config.quota_seconds for a in plan.assignments)
+
+
+def test_a_trusted_host_that_errs_falls_back_to_its_cut_count():
+    config = dataclasses.replace(CONFIG, quota_seconds=2.0, max_quota=40)
+    ledger = make_ledger([make_wu(i) for i in range(60)], hosts=[make_host(1)])
+    host = trust.after_error(make_host(1, cv=50, max_in_progress=4), trust.TrustConfig())
+    plan = scheduler(ledger, config=config).plan(host, request(capacity=64), NOW)
+    assert len(plan.assignments) == 2
+
+
 # ---- cached panels -------------------------------------------------------------------------
 
 
@@ -246,6 +278,18 @@ def test_an_assignment_whose_reply_was_lost_is_resent_unchanged():
     assert assigned(retry) == [sent.id]
     assert retry.assignments[0].result == sent  # same deadline, same upload flag
     assert [e.state for e in retry.events] == ["resent"]
+
+
+def test_an_expired_assignment_is_not_resent_but_left_to_time_out():
+    # Resent past its deadline, a volunteer skips it and asks again at once: a spin that
+    # hit the rate limit after a coordinator restart.
+    ledger = make_ledger([make_wu(1)], replicas=3)
+    sched = scheduler(ledger)
+    (sent,) = [a.result for a in sched.plan(make_host(1), request(capacity=1), NOW).assignments]
+    later = sent.report_deadline + 0.1
+    retry = sched.plan(make_host(1), request(in_progress=(), capacity=0), later)
+    assert retry.assignments == [] and retry.events == []
+    assert sent.wu_id in ledger.pop_due(later)  # the transitioner looks at it now
     assert sorted(r.id for r in ledger.results.values() if r.host_id == 1) == [sent.id]
     assert len(ledger.unsent) == 2
 
