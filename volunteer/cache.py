@@ -1,8 +1,12 @@
-"""The operand cache: verified blobs kept in memory, least recently used out first."""
+"""The operand cache: verified blobs kept in memory, least recently used out first, and the
+downloads that fill it, one per blob."""
 
 from __future__ import annotations
 
+import asyncio
+import functools
 from collections import OrderedDict
+from collections.abc import Awaitable, Callable
 
 
 class BlobCache:
@@ -42,3 +46,27 @@ class BlobCache:
     def hit_rate(self) -> float:
         total = self.hits + self.misses
         return self.hits / total if total else 0.0
+
+
+class Downloads:
+    """Downloads under way, one per blob: every queued tile starts fetching its operands when
+    it arrives, and the tiles of one row or column of a product share a panel; the second
+    and later ask for the download already running instead of starting their own. One
+    tile dropped meanwhile does not cancel the download for the others."""
+
+    def __init__(self) -> None:
+        self._running: dict[str, asyncio.Future[bytes]] = {}
+
+    async def get(self, blob_id: str, download: Callable[[], Awaitable[bytes]]) -> bytes:
+        running = self._running.get(blob_id)
+        if running is None:
+            running = asyncio.ensure_future(download())
+            self._running[blob_id] = running
+            running.add_done_callback(functools.partial(self._finished, blob_id))
+        return await asyncio.shield(running)
+
+    def _finished(self, blob_id: str, done: asyncio.Future[bytes]) -> None:
+        if self._running.get(blob_id) is done:
+            del self._running[blob_id]
+        if not done.cancelled():
+            done.exception()  # retrieved: whoever awaited it has seen it

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import itertools
 import logging
 import os
@@ -21,7 +22,7 @@ import numpy as np
 
 import kernels
 from volunteer.backoff import Backoff
-from volunteer.cache import BlobCache
+from volunteer.cache import BlobCache, Downloads
 from volunteer.client import CoordinatorClient, ServerRefused, compute_tile
 from volunteer.state import StateDir
 
@@ -29,8 +30,9 @@ log = logging.getLogger(__name__)
 
 MB = 1 << 20
 WORKSPACE_PER_THREAD = 2 * MB  # the kernel's packing buffers, with room to spare
-MAX_CAPACITY = 8
-REPORT_BATCH = 8
+MAX_CAPACITY = 64  # tiles queued at most: as many as a trusted host may hold
+REPORT_BATCH = 64  # results per report at most
+REPORT_BYTES = 8 * MB  # tile bytes per report: a report is sent once this much is waiting
 
 
 def default_threads() -> int:
@@ -59,10 +61,37 @@ def current_rss_mb() -> float:
         return peak_rss_mb()
 
 
-def time_to_ask(queued: int, capacity: int) -> bool:
+def report_batch(pending: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The reports to send next: the oldest, up to REPORT_BATCH of them and REPORT_BYTES of
+    tiles (at least one). One report per product share rather than per few tiles: each
+    report is a round trip, and the coordinator commits it to disk before it answers."""
+    size = 0
+    for count, report in enumerate(pending[:REPORT_BATCH]):
+        size += len(report.get("tile", b""))
+        if size > REPORT_BYTES and count:
+            return pending[:count]
+    return pending[:REPORT_BATCH]
+
+
+def report_due(pending: list[dict[str, Any]], queued: int) -> bool:
+    """Send reports when nothing is left to compute, or when a full batch is waiting."""
+    if not pending:
+        return False
+    waiting = sum(len(r.get("tile", b"")) for r in pending)
+    return not queued or len(pending) >= REPORT_BATCH or waiting >= REPORT_BYTES
+
+
+def time_to_ask(queued: int, capacity: int, short: bool = False) -> bool:
     """Ask for work once the queue is down to half of what we want (BOINC's work-fetch
-    hysteresis): one request then brings several tiles, not one request per tile."""
-    return capacity > 0 and queued <= (queued + capacity) // 2
+    hysteresis): one request then brings several tiles, not one request per tile.
+
+    `short`: the last answer brought fewer tiles than asked for. Then the coordinator has
+    nothing more for now, and asking again after every tile would be a spin (hundreds of
+    requests a second with small tiles); the next ask waits for an empty queue, as a long
+    poll."""
+    if capacity <= 0 or (short and queued > 0):
+        return False
+    return queued <= (queued + capacity) // 2
 
 
 @dataclass(frozen=True)
@@ -131,8 +160,10 @@ class Volunteer:
         self.queue: deque[Job] = deque()
         self.aborted: set[str] = set()
         self.pending_reports: list[dict[str, Any]] = []
+        self.downloads = Downloads()
         self.computing: str | None = None
         self._requests = itertools.count()
+        self._short = False  # the last work request brought fewer tiles than it asked for
         self._session_id = secrets.token_hex(4)
         self._tile_flops = 0.0
         self.started = time.monotonic()
@@ -240,7 +271,9 @@ class Volunteer:
             return
         capacity = self._capacity()
         reply = None
-        if time_to_ask(len(self.queue), capacity) or (self.pending_reports and not self.queue):
+        if time_to_ask(len(self.queue), capacity, self._short) or (
+            self.pending_reports and not self.queue
+        ):
             await self._flush_reports(client)
             reply = await client.request_work(
                 f"{self._session_id}-{next(self._requests)}",
@@ -250,6 +283,7 @@ class Volunteer:
                 gflops=self.gflops,
                 wait=not self.queue,
             )
+            self._short = len(reply["assignments"]) < capacity
             self._take(client, reply)
             note = reply.get("note", "")
             if note != self.stats.server_note:
@@ -261,7 +295,7 @@ class Volunteer:
             self.backoff.reset()
             self.idle.reset()
             await self._compute_next(client)
-            if not self.queue or len(self.pending_reports) >= REPORT_BATCH:
+            if report_due(self.pending_reports, len(self.queue)):
                 await self._flush_reports(client)
         elif reply is not None and not reply["assignments"]:
             self.stats.state = "idle"
@@ -329,11 +363,17 @@ class Volunteer:
             data = self.cache.get(blob_id)
             if data is None:
                 limit = assignment[f"{key}_bytes"] or self.budget
-                data = await client.fetch_blob(blob_id, max_bytes=limit)
-                self.stats.bytes_down += len(data)
-                self.cache.put(blob_id, data)
+                data = await self.downloads.get(
+                    blob_id, functools.partial(self._download, client, blob_id, limit)
+                )
             blobs.append(data)
         return blobs
+
+    async def _download(self, client: CoordinatorClient, blob_id: str, limit: int) -> bytes:
+        data = await client.fetch_blob(blob_id, max_bytes=limit)
+        self.stats.bytes_down += len(data)
+        self.cache.put(blob_id, data)
+        return data
 
     async def _compute_next(self, client: CoordinatorClient) -> None:
         job = self.queue.popleft()
@@ -384,7 +424,7 @@ class Volunteer:
     async def _flush_reports(self, client: CoordinatorClient) -> None:
         if not self.pending_reports:
             return
-        batch = self.pending_reports[:REPORT_BATCH]
+        batch = report_batch(self.pending_reports)
         try:
             await client.report(batch)
         except ServerRefused as exc:

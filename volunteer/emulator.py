@@ -33,17 +33,15 @@ import numpy as np
 
 import kernels
 from volunteer.backoff import Backoff
-from volunteer.cache import BlobCache
+from volunteer.cache import BlobCache, Downloads
 from volunteer.client import CoordinatorClient, ServerRefused, compute_tile
-from volunteer.daemon import time_to_ask
+from volunteer.daemon import MAX_CAPACITY, report_batch, report_due, time_to_ask
 from volunteer.profile import HostTraits, Profile
 from volunteer.profile import load as load_profile
 
 log = logging.getLogger(__name__)
 
 MB = 1 << 20
-MAX_CAPACITY = 8  # as volunteer.daemon: at most this many tiles queued
-REPORT_BATCH = 8
 MAX_CACHED_IDS = 4096  # the protocol's limit on `cached`
 DEFAULT_REAL_FLOPS = 64e6  # tiles up to this many flops are computed by each host itself
 SHARED_BLOB_BYTES = 256 * MB  # operand bytes kept for all hosts together
@@ -237,6 +235,8 @@ class EmulatedHost:
         self.rng = random.Random(emulation.rng.random())
         self.client = CoordinatorClient(emulation.url, session=emulation.session)
         self.requests = itertools.count()
+        self.short = False  # the last work request brought fewer tiles than it asked for
+        self.downloads = Downloads()
         self.session_id = secrets.token_hex(4)
         self.backoff = Backoff(cap=60.0, rng=self.rng)
         self.idle = Backoff(base=0.25, cap=10.0, rng=self.rng)
@@ -335,7 +335,7 @@ class EmulatedHost:
     async def _cycle(self, stop: asyncio.Event) -> None:
         capacity = self._capacity()
         reply = None
-        if time_to_ask(len(self.queue), capacity) or (self.pending and not self.queue):
+        if time_to_ask(len(self.queue), capacity, self.short) or (self.pending and not self.queue):
             await self._flush()
             wait = self.em.long_poll and not self.queue
             message = {
@@ -354,12 +354,13 @@ class EmulatedHost:
             else:
                 held = "work_poll" if reply["assignments"] else "work_empty"
                 self.em.totals.latencies.add(held, seconds)
+            self.short = len(reply["assignments"]) < capacity
             self._take(reply)
         if self.queue:
             self.backoff.reset()
             self.idle.reset()
             await self._compute_next()
-            if not self.queue or len(self.pending) >= REPORT_BATCH:
+            if report_due(self.pending, len(self.queue)):
                 await self._flush()
         elif reply is not None and not reply["assignments"]:
             await _wait(stop, self.idle.next_delay(at_least=float(reply.get("delay", 0.0))))
@@ -410,18 +411,22 @@ class EmulatedHost:
             data = self.em.blobs.get(blob_id)
             if data is None or not held:
                 limit = assignment[f"{key}_bytes"] or self.em.max_blob_bytes
-                data, _ = await self._call(
-                    "blob", lambda b=blob_id, n=limit: self.client.fetch_blob(b, max_bytes=n)
+                data = await self.downloads.get(
+                    blob_id, functools.partial(self._download, blob_id, limit, held)
                 )
-                self.em.totals.counts["bytes_down"] += len(data)
-                if not held:  # modelled: a blob the host holds costs no transfer time
-                    await asyncio.sleep(len(data) * 8 / (self.traits.download_mbps * 1e6))
-                self.em.blobs.put(blob_id, data)
-                self._hold(blob_id, len(data))
             else:
                 self.cached.move_to_end(blob_id)
             blobs.append(data)
         return blobs
+
+    async def _download(self, blob_id: str, limit: int, held: bool) -> bytes:
+        data, _ = await self._call("blob", lambda: self.client.fetch_blob(blob_id, max_bytes=limit))
+        self.em.totals.counts["bytes_down"] += len(data)
+        if not held:  # modelled: a blob the host holds costs no transfer time
+            await asyncio.sleep(len(data) * 8 / (self.traits.download_mbps * 1e6))
+        self.em.blobs.put(blob_id, data)
+        self._hold(blob_id, len(data))
+        return data
 
     def _hold(self, blob_id: str, size: int) -> None:
         if blob_id in self.cached or size > self.cache_budget:
@@ -498,7 +503,7 @@ class EmulatedHost:
     async def _flush(self) -> None:
         if not self.pending:
             return
-        batch = self.pending[:REPORT_BATCH]
+        batch = report_batch(self.pending)
         size = sum(len(r.get("tile", b"")) + 64 for r in batch)
         try:
             reply, _ = await self._call("report", lambda: self.client.report(batch), up=size)
