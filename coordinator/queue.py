@@ -196,13 +196,11 @@ class WorkQueue:
         rows, cols = panels(a, b, gemm.trans_a, gemm.trans_b, gemm.tile, gemm.m, gemm.n)
 
         def store_panels() -> tuple[list[str], list[str]]:
-            ids = [
-                [co.blobs.put_array(p, serve=True) for p in rows],
-                [co.blobs.put_array(p, serve=True) for p in cols],
-            ]
-            for panel_id in ids[0] + ids[1]:
-                co.ledger.panel_bytes[panel_id] = co.blobs.size(panel_id)
-            return ids[0], ids[1]
+            encoded = [kernels.encode_array(p) for p in (*rows, *cols)]
+            ids = co.blobs.put_many([(data, None) for data in encoded], serve=True)
+            for panel_id, data in zip(ids, encoded, strict=True):
+                co.ledger.panel_bytes[panel_id] = len(data)
+            return ids[: len(rows)], ids[len(rows) :]
 
         delay = 1.0
         while True:

@@ -1,0 +1,60 @@
+"""The blob store: blobs are whole or absent, named by their hash, written in batches."""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+
+import kernels
+from coordinator.blobstore import BlobNotFound, BlobStore
+
+
+def tiles(count: int, seed: int = 0) -> list[bytes]:
+    rng = np.random.default_rng(seed)
+    return [
+        kernels.encode_array(rng.standard_normal((16, 8)).astype(np.float32)) for _ in range(count)
+    ]
+
+
+def test_a_batch_of_blobs_is_stored_under_their_hashes_and_read_back_whole(tmp_path):
+    store = BlobStore(tmp_path, max_blob_bytes=1 << 20)
+    blobs = tiles(20)
+    ids = store.put_many([(data, None) for data in blobs] + [(blobs[0], None)])
+    assert ids == [kernels.blob_id(data) for data in blobs] + [kernels.blob_id(blobs[0])]
+    assert [store.get(blob) for blob in ids[:20]] == blobs
+    assert not [p for p in tmp_path.rglob(".tmp-*")]  # no temporary file left behind
+    # Storing them again changes nothing; a blob under the wrong name is refused.
+    assert store.put_many([(blobs[1], ids[1])]) == [ids[1]]
+    with pytest.raises(ValueError):
+        store.put_many([(blobs[1], ids[2])])
+
+
+def test_a_batch_that_fails_part_way_stores_none_of_it_and_leaves_no_debris(tmp_path, monkeypatch):
+    store = BlobStore(tmp_path, max_blob_bytes=1 << 20)
+    blobs = tiles(6, seed=1)
+    first = store.put(blobs[0])
+    renamed = []
+
+    def replace_then_fail(src, dst):  # the disk fills up after the third rename
+        if len(renamed) == 3:
+            raise OSError(28, "No space left on device")
+        renamed.append(dst)
+        os.rename(src, dst)
+
+    monkeypatch.setattr(os, "replace", replace_then_fail)
+    with pytest.raises(OSError, match="No space left"):
+        store.put_many([(data, None) for data in blobs[1:]])
+    monkeypatch.undo()
+    assert store.get(first) == blobs[0]
+    # What was renamed before the failure is whole (its bytes were synced first); the rest
+    # is absent, and no temporary file is left.
+    for data in blobs[1:]:
+        blob = kernels.blob_id(data)
+        if store.path(blob) in renamed:
+            assert store.get(blob) == data
+        else:
+            with pytest.raises(BlobNotFound):
+                store.get(blob)
+    assert not list(tmp_path.rglob(".tmp-*"))
