@@ -143,7 +143,7 @@ def measure_freivalds(rng, a, b, flags, repeats: int, pool_bytes: int) -> dict:
       2026-11-22): the check finds the operands wherever the product left them (partly
       evicted by time and the product's own writes), the product finds them warm.
     path: each side as tilehive runs it, on the pool's tiles kept in a real BlobStore on
-      disk: the validator loads a, b and c (read and hash-verified, Engine._freivalds) and
+      disk: the validator loads a, b and c (read and hash-verified, Engine._freivalds_all) and
       then checks; a volunteer has a and b just downloaded and verified, and then computes.
       Only the check and the product are timed; the loads are the blob store's cost.
     """

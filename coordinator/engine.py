@@ -153,6 +153,7 @@ class Coordinator:
         self._replies: dict[int, OrderedDict[str, bytes]] = {}
         self._checks: dict[str, validator.Check] = {}
         self._to_validate: set[str] = set()
+        self._checked_tiles: dict[str, np.ndarray] = {}  # tiles this pass has checked, by hash
         self._wake = asyncio.Event()
         self._pass_lock = asyncio.Lock()  # one background pass or one cancel at a time
         self._inflight: dict[tuple[int, str], asyncio.Future] = {}
@@ -456,8 +457,7 @@ class Coordinator:
 
     async def _store_tiles(self, tiles: list[tuple[str, bytes]]) -> None:
         def store() -> None:
-            for output_hash, tile in tiles:
-                self.blobs.put(tile, output_hash)
+            self.blobs.put_many([(tile, output_hash) for output_hash, tile in tiles])
 
         try:
             await asyncio.to_thread(store)
@@ -669,8 +669,12 @@ class Coordinator:
 
     async def _step(self, now: float) -> None:
         to_validate, self._to_validate = self._to_validate, set()
-        for wu_id in sorted(to_validate):
-            await self._validate(wu_id, now)
+        try:
+            await self._check_tiles(sorted(to_validate))
+            for wu_id in sorted(to_validate):
+                await self._validate(wu_id, now)
+        finally:
+            self._checked_tiles.clear()
         for wu_id in sorted(self.ledger.pop_due(now)):
             self._transition(wu_id, now)
         self._accelerate_tails(now)
@@ -704,7 +708,7 @@ class Coordinator:
         results = self.ledger.results_for(wu_id)
         for result in validator.tiles_to_check(wu, results):
             if result.id not in self._checks:
-                self._checks[result.id] = await asyncio.to_thread(self._freivalds, wu, result)
+                self._checks.update(await asyncio.to_thread(self._freivalds_all, [(wu, result)]))
         decision = validator.decide(wu, results, self._checks, now)
         method = validation_method(wu)
         trust_change: dict[str, tuple[int, int]] = {}
@@ -749,12 +753,42 @@ class Coordinator:
             self._cancel_rest(decision.wu, now)
             await self._assimilate(decision.wu, now)
 
-    def _freivalds(self, wu: WorkUnit, result: Result) -> validator.Check:
+    async def _check_tiles(self, wu_ids: list[str]) -> None:
+        """The Freivalds checks a pass needs, all in one trip to a worker thread, so that a
+        report of many small tiles does not cost a thread hand-off and three blob reads for
+        each: a panel shared by several tiles is read once."""
+        wanted = []
+        for wu_id in wu_ids:
+            wu = self.ledger.wus.get(wu_id)
+            if wu is None:
+                continue
+            for result in validator.tiles_to_check(wu, self.ledger.results_for(wu_id)):
+                if result.id not in self._checks:
+                    wanted.append((wu, result))
+        if wanted:
+            self._checks.update(await asyncio.to_thread(self._freivalds_all, wanted))
+
+    def _freivalds_all(self, wanted: list[tuple[WorkUnit, Result]]) -> dict[str, validator.Check]:
+        panels: dict[str, np.ndarray] = {}
+
+        def panel(blob: str) -> np.ndarray:
+            if blob not in panels:
+                panels[blob] = self.blobs.get_array(blob)
+            return panels[blob]
+
+        checks = {}
+        for wu, result in wanted:
+            tile = self.blobs.get_array(result.output_hash)
+            checks[result.id] = self._freivalds(wu, panel(wu.a_panel), panel(wu.b_panel), tile)
+            # The tile that passes is assimilated in this pass: no second read from disk.
+            self._checked_tiles[result.output_hash] = tile
+        return checks
+
+    def _freivalds(
+        self, wu: WorkUnit, a: np.ndarray, b: np.ndarray, c: np.ndarray
+    ) -> validator.Check:
         from validation import freivalds
 
-        a = self.blobs.get_array(wu.a_panel)
-        b = self.blobs.get_array(wu.b_panel)
-        c = self.blobs.get_array(result.output_hash)
         return freivalds.verify(
             np.ascontiguousarray(a),
             np.ascontiguousarray(b),
@@ -804,7 +838,9 @@ class Coordinator:
         output = self.outputs.get(wu.gemm_id)
         if output is None or wu.id not in output.remaining:
             return
-        tile = await asyncio.to_thread(self.blobs.get_array, wu.canonical_hash)
+        tile = self._checked_tiles.get(wu.canonical_hash)
+        if tile is None:
+            tile = await asyncio.to_thread(self.blobs.get_array, wu.canonical_hash)
         output.out[wu.i0 : wu.i1, wu.j0 : wu.j1] = tile
         output.remaining.discard(wu.id)
         if wu.state is not WuState.ASSIMILATED:
