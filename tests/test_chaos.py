@@ -93,6 +93,18 @@ def started(directory: Path, step: int) -> bool:
         return False
 
 
+def working_on(directory: Path, step: int) -> bool:
+    """Some tile of this step is committed and another is out on a volunteer."""
+    if not started(directory, step):
+        return False
+    out = committed(
+        directory,
+        "SELECT COUNT(*) FROM results JOIN workunits ON workunits.id = results.wu_id "
+        f"WHERE workunits.step = {step} AND results.server_state = 'in_progress'",
+    )
+    return out[0][0] > 0
+
+
 async def finish(coordinator: subprocess.Popen, log: Path, timeout: float = RUN_TIMEOUT) -> None:
     code = await asyncio.to_thread(coordinator.wait, timeout)
     assert code == 0, log.read_text()[-4000:]
@@ -107,6 +119,17 @@ def host_of(state_dir: Path) -> int | None:
         return json.loads((state_dir / "identity.json").read_text())["host_id"]
     except (FileNotFoundError, json.JSONDecodeError, KeyError):
         return None
+
+
+def holds_work(project: Path, state_dir: Path) -> bool:
+    host = host_of(state_dir)
+    if host is None:
+        return False
+    held = committed(
+        project,
+        f"SELECT COUNT(*) FROM results WHERE host_id = {host} AND server_state = 'in_progress'",
+    )
+    return held[0][0] > 0
 
 
 async def churn(tmp_path: Path, reaper, steps: int, pace: float, crew: int) -> None:
@@ -135,6 +158,10 @@ async def churn(tmp_path: Path, reaper, steps: int, pace: float, crew: int) -> N
                 break
             slot = order.pop(0)
             process, state = live[slot]
+            # Kill it while it holds work, if it gets some soon: a volunteer that takes a
+            # product's share at once holds tiles for milliseconds at a time.
+            with contextlib.suppress(TimeoutError):
+                await wait_until(lambda s=state: holds_work(remote, s), timeout=pace)
             process.send_signal(signal.SIGKILL)
             process.wait()
             kills.append((host_of(state), time.time()))
@@ -188,8 +215,14 @@ async def kill_coordinator_mid_steps(tmp_path: Path, reaper, steps: int, kill_in
     try:
         for step in kill_in:
             coordinator = reaper(start_coordinator(remote, port, log))
-            # Mid-step: some tiles of this step are committed, the step is not done.
-            await wait_until(lambda s=step: started(remote, s), timeout=RUN_TIMEOUT)
+            for volunteer in crew:
+                volunteer.send_signal(signal.SIGCONT)
+            # Mid-step: some tiles of this step are committed, others are out on volunteers,
+            # frozen so that their product cannot finish before the kill lands (a product
+            # takes milliseconds).
+            await wait_until(lambda s=step: working_on(remote, s), timeout=RUN_TIMEOUT)
+            for volunteer in crew:
+                volunteer.send_signal(signal.SIGSTOP)
             coordinator.send_signal(signal.SIGKILL)
             coordinator.wait()
             FIGURES["coordinator kills survived"] += 1
@@ -198,9 +231,12 @@ async def kill_coordinator_mid_steps(tmp_path: Path, reaper, steps: int, kill_in
             kept.update(decided(remote))
             assert integrity(remote) == "ok"
         coordinator = reaper(start_coordinator(remote, port, log))
+        for volunteer in crew:
+            volunteer.send_signal(signal.SIGCONT)
         await finish(coordinator, log)
     finally:
         for volunteer in crew:
+            volunteer.send_signal(signal.SIGCONT)
             stop(volunteer)
     compared = assert_same_checkpoints(local, remote, steps)
     FIGURES["checkpoints equal to --local"] += compared
@@ -245,9 +281,17 @@ async def test_a_cancelled_step_stops_training_and_a_restart_runs_it_again_bitwi
     try:
         coordinator = reaper(start_coordinator(remote, port, log))
         await wait_until(lambda: started(remote, 2), timeout=RUN_TIMEOUT)
-        cancelled = await asyncio.to_thread(
-            tilehive, "admin", "cancel-step", url, "2", "--project", str(remote)
-        )
+        # Frozen, the volunteers cannot finish step 2 before the operator's command lands
+        # (a step takes a fraction of a second, starting the command about as long).
+        for volunteer in crew:
+            volunteer.send_signal(signal.SIGSTOP)
+        try:
+            cancelled = await asyncio.to_thread(
+                tilehive, "admin", "cancel-step", url, "2", "--project", str(remote)
+            )
+        finally:
+            for volunteer in crew:
+                volunteer.send_signal(signal.SIGCONT)
         assert cancelled.returncode == 0, cancelled.stderr
         assert "step 2 cancelled" in cancelled.stdout
         assert await asyncio.to_thread(coordinator.wait, RUN_TIMEOUT) == 1
