@@ -324,3 +324,17 @@ async def test_tiles_that_share_a_panel_download_it_once():
     results = await asyncio.gather(*waiters[1:])
     assert results == [b"panel"] * 4 and calls == [1]
     assert await downloads.get("p", download) == b"panel" and calls == [1, 1]  # done: anew
+
+
+def test_the_cache_hit_rate_counts_operands_that_cost_no_download_of_their_own():
+    from volunteer.cache import BlobCache
+
+    cache = BlobCache(max_bytes=10)
+    assert cache.get("a") is None  # a miss
+    cache.put("a", b"12345")
+    assert cache.get("a") == b"12345"  # a hit
+    assert cache.get("b", count=False) is None
+    cache.count(hit=True)  # another tile's download was bringing it
+    cache.put("b", b"678901")  # over 10 bytes in all: the least recently used goes
+    assert cache.get("a", count=False) is None and cache.ids() == ["b"]
+    assert cache.hit_rate == 2 / 3

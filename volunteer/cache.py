@@ -19,14 +19,20 @@ class BlobCache:
         self.hits = 0
         self.misses = 0
 
-    def get(self, blob_id: str) -> bytes | None:
+    def get(self, blob_id: str, *, count: bool = True) -> bytes | None:
         data = self._blobs.get(blob_id)
-        if data is None:
-            self.misses += 1
-            return None
-        self.hits += 1
-        self._blobs.move_to_end(blob_id)
+        if count:
+            self.count(hit=data is not None)
+        if data is not None:
+            self._blobs.move_to_end(blob_id)
         return data
+
+    def count(self, hit: bool) -> None:
+        """One operand needed: a hit when it cost no download of its own."""
+        if hit:
+            self.hits += 1
+        else:
+            self.misses += 1
 
     def put(self, blob_id: str, data: bytes) -> None:
         """Keep a blob (already verified by the caller); too large a blob is not kept."""
@@ -56,6 +62,9 @@ class Downloads:
 
     def __init__(self) -> None:
         self._running: dict[str, asyncio.Future[bytes]] = {}
+
+    def running(self, blob_id: str) -> bool:
+        return blob_id in self._running
 
     async def get(self, blob_id: str, download: Callable[[], Awaitable[bytes]]) -> bytes:
         running = self._running.get(blob_id)

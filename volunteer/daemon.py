@@ -360,7 +360,9 @@ class Volunteer:
         blobs = []
         for key in ("a", "b"):
             blob_id = assignment[key]
-            data = self.cache.get(blob_id)
+            data = self.cache.get(blob_id, count=False)
+            # A panel another queued tile is already downloading costs this one nothing.
+            self.cache.count(hit=data is not None or self.downloads.running(blob_id))
             if data is None:
                 limit = assignment[f"{key}_bytes"] or self.budget
                 data = await self.downloads.get(
