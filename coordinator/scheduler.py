@@ -42,8 +42,10 @@ class SchedulerConfig:
     adaptive_replication: bool = True  # off: every work unit gets its full replication
     # A host with trust_threshold valid results in a row may hold this many seconds of work
     # at its measured speed, up to max_quota results, beyond its standing's count (see
-    # quota). Under deadline_floor: the last of them is still due in time.
-    quota_seconds: float = 2.0
+    # quota): enough to hide round trips behind tiles of a millisecond, not so much that a
+    # few hosts hold a whole product while the others wait (tiles of 100 ms stay at the
+    # count). Under deadline_floor: the last of them is still due in time.
+    quota_seconds: float = 0.25
     max_quota: int = 64
     # Off: a host's cached panels no longer put the results that use them first (oldest
     # first only); for measuring what cache-aware scheduling saves on the wire.
