@@ -93,6 +93,13 @@ def started(directory: Path, step: int) -> bool:
         return False
 
 
+def signal_all(processes: list[subprocess.Popen], sig: signal.Signals) -> None:
+    """SIGSTOP freezes volunteers so that a kill or an operator's command lands mid-product
+    (a product takes milliseconds); SIGCONT lets them go on."""
+    for process in processes:
+        process.send_signal(sig)
+
+
 def working_on(directory: Path, step: int) -> bool:
     """Some tile of this step is committed and another is out on a volunteer."""
     if not started(directory, step):
@@ -215,14 +222,12 @@ async def kill_coordinator_mid_steps(tmp_path: Path, reaper, steps: int, kill_in
     try:
         for step in kill_in:
             coordinator = reaper(start_coordinator(remote, port, log))
-            for volunteer in crew:
-                volunteer.send_signal(signal.SIGCONT)
+            signal_all(crew, signal.SIGCONT)
             # Mid-step: some tiles of this step are committed, others are out on volunteers,
             # frozen so that their product cannot finish before the kill lands (a product
             # takes milliseconds).
             await wait_until(lambda s=step: working_on(remote, s), timeout=RUN_TIMEOUT)
-            for volunteer in crew:
-                volunteer.send_signal(signal.SIGSTOP)
+            signal_all(crew, signal.SIGSTOP)
             coordinator.send_signal(signal.SIGKILL)
             coordinator.wait()
             FIGURES["coordinator kills survived"] += 1
@@ -231,12 +236,11 @@ async def kill_coordinator_mid_steps(tmp_path: Path, reaper, steps: int, kill_in
             kept.update(decided(remote))
             assert integrity(remote) == "ok"
         coordinator = reaper(start_coordinator(remote, port, log))
-        for volunteer in crew:
-            volunteer.send_signal(signal.SIGCONT)
+        signal_all(crew, signal.SIGCONT)
         await finish(coordinator, log)
     finally:
+        signal_all(crew, signal.SIGCONT)
         for volunteer in crew:
-            volunteer.send_signal(signal.SIGCONT)
             stop(volunteer)
     compared = assert_same_checkpoints(local, remote, steps)
     FIGURES["checkpoints equal to --local"] += compared
@@ -283,15 +287,13 @@ async def test_a_cancelled_step_stops_training_and_a_restart_runs_it_again_bitwi
         await wait_until(lambda: started(remote, 2), timeout=RUN_TIMEOUT)
         # Frozen, the volunteers cannot finish step 2 before the operator's command lands
         # (a step takes a fraction of a second, starting the command about as long).
-        for volunteer in crew:
-            volunteer.send_signal(signal.SIGSTOP)
+        signal_all(crew, signal.SIGSTOP)
         try:
             cancelled = await asyncio.to_thread(
                 tilehive, "admin", "cancel-step", url, "2", "--project", str(remote)
             )
         finally:
-            for volunteer in crew:
-                volunteer.send_signal(signal.SIGCONT)
+            signal_all(crew, signal.SIGCONT)
         assert cancelled.returncode == 0, cancelled.stderr
         assert "step 2 cancelled" in cancelled.stdout
         assert await asyncio.to_thread(coordinator.wait, RUN_TIMEOUT) == 1
