@@ -241,6 +241,18 @@ def test_honest_overflow_is_non_finite(path: str) -> None:
     assert not result.ok and not result.finite
 
 
+def test_check_overflow_is_left_to_quorum() -> None:
+    """Finite operands and a finite product, but a row's sum of |a||b| (n times an element's
+    worst case) beyond float32's range: the check's own sums overflow, so it cannot decide."""
+    a = np.full((2, 64), 4e17, np.float32)
+    b = np.full((64, 64), 4e17, np.float32)
+    c = kernels.gemm(a, b)
+    assert np.isfinite(c).all()
+    result = every_path(a, b, c)
+    assert not result.ok and not result.finite and result.row is None
+    assert result.reason.startswith("the check's float32 sums overflowed")
+
+
 # ---- probes ----
 
 
@@ -309,6 +321,31 @@ def test_paths_agree(rng: np.random.Generator, trans: Trans, rounds: int) -> Non
         every_path(a, b, tile, trans, rounds=rounds)
 
 
+def at_offset(x: np.ndarray, offset: int) -> np.ndarray:
+    """A copy of x whose data starts `offset` bytes past a 64-byte boundary."""
+    buf = np.empty(x.nbytes + 128, np.uint8)
+    start = -buf.ctypes.data % 64 + offset
+    out = buf[start : start + x.nbytes].view(np.float32).reshape(x.shape)
+    out[...] = x
+    return out
+
+
+@needs_compiled
+@pytest.mark.parametrize("offset", [0, 4, 16, 36, 60])
+@pytest.mark.parametrize("trans", TRANS)
+def test_paths_agree_wherever_the_arrays_start(
+    rng: np.random.Generator, offset: int, trans: Trans
+) -> None:
+    """Rows of a multiple of 16 floats off a 64-byte line (numpy's arrays start 16 bytes past
+    one) take the AVX-512 sweep that assembles them from aligned lines: the same bits."""
+    a, b, c = honest(rng, 35, 64, 48, *trans)
+    for tile in (c, corrupt("one element", rng, a, b, c, trans)):
+        moved = [at_offset(m, offset) for m in (a, b, tile)]
+        assert [m.ctypes.data % 64 for m in moved] == [offset] * 3
+        assert check(*moved, trans, rounds=3) == check(a, b, tile, trans, rounds=3)
+        every_path(*moved, trans, rounds=3)
+
+
 @needs_compiled
 def test_compiled_variant_is_reported(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv(freivalds.KERNEL_ENV, raising=False)
@@ -335,11 +372,25 @@ def test_reference_path_is_selected_by_environment(monkeypatch: pytest.MonkeyPat
 
 
 def test_tolerance_covers_its_parts() -> None:
+    u = 2.0**-24
     cz, c0 = tolerance(512, 512)
-    assert 513 * 2.0**-24 < cz < 1.001 * 513 * 2.0**-24  # gamma32_K, plus u for y's rounding
+    # gamma_K of the kernel, plus the check's own float32 sums: 36 roundings at most in each
+    # of op(B) x, Cx and op(A) y (a lane of 32 terms, then 4 halvings).
+    assert (512 + 3 * 36) * u < cz < 1.001 * (512 + 3 * 36) * u
     assert c0 > 512 * 512 * 2.0**-150
+    # A transposed operand is summed in chunks of 16 rows: 16 + 32 roundings instead of 36.
+    assert tolerance(512, 512, True, False)[0] > cz + 11 * u
+    assert tolerance(512, 512, True, True)[0] > tolerance(512, 512, True, False)[0] + 11 * u
     with pytest.raises(ValueError, match="too large"):
         tolerance(4, 2**23)
+
+
+@pytest.mark.parametrize(("q", "trans", "expected"), [(0, False, 0), (1, False, 5), (16, False, 5),
+                                                      (17, False, 6), (512, False, 36),
+                                                      (1, True, 2), (16, True, 17),
+                                                      (17, True, 18), (512, True, 48)])
+def test_depth_counts_the_roundings_of_a_term(q: int, trans: bool, expected: int) -> None:
+    assert freivalds.depth(q, trans) == expected
 
 
 # ---- bad input ----

@@ -20,18 +20,20 @@ except ImportError:  # pragma: no cover - only when the extension was not built
     _probe = None
 
 # Each round misses a wrong element with probability at most 1/2, so a tile with an error
-# above the bound passes all of them with probability at most 2**-rounds. The default is the
-# most that fits the brief's cost bar, a check <= 5% of computing a 512^3 tile, with the
-# operands in cache (2 rounds measured 4.4-5.2%, 3 rounds 5.3-5.7%); with them in memory any
-# number of rounds up to 4 costs 6-7%, the price of reading them (docs/validation.md).
+# above the bound passes all of them with probability at most 2**-rounds. The default fits the
+# brief's cost bar, a check <= 5% of computing a 512^3 tile (docs/validation.md, "Cost").
 DEFAULT_ROUNDS = 2
 MAX_ROUNDS = 64
 KEY_BYTES = 32  # blake3's keyed mode takes exactly this
 
+# The order of the check's sums, as in validation/csrc/probe_impl.c (probe_impl.h).
+LANES = 16  # partial sums over the contiguous index of a row-major operand
+CHUNK = 16  # rows per partial sum over the row index of a transposed operand
+OVERFLOW = 8  # the `nonfinite` flag of a check whose own float32 sums overflowed
+
 _U32 = Fraction(1, 2**24)  # unit roundoff of float32
 _U64 = Fraction(1, 2**53)  # unit roundoff of float64
 _ETA32 = Fraction(1, 2**150)  # largest error of rounding a tiny result to a float32 subnormal
-_VELTKAMP = 536870913.0  # 2**29 + 1: splits a float64 into 24 significant bits and the rest
 
 
 @dataclass(frozen=True, slots=True)
@@ -105,22 +107,36 @@ def _round_up(x: Fraction) -> float:
     return f if Fraction(f) >= x else math.nextafter(f, math.inf)
 
 
+def depth(q: int, trans: bool) -> int:
+    """The most roundings a term of one of the check's q-term sums goes through: the fmaf
+    steps of its lane (row-major) or chunk (transposed), then the additions after them."""
+    if q == 0:
+        return 0
+    if trans:  # a chunk of up to CHUNK terms, then one addition per chunk into the total
+        return min(q, CHUNK) + -(-q // CHUNK)
+    return -(-q // LANES) + 4  # a lane of ceil(q / 16) terms, then 4 halvings of 16 lanes
+
+
 @lru_cache(maxsize=256)
-def tolerance(n: int, k: int) -> tuple[float, float]:
+def tolerance(n: int, k: int, trans_a: bool = False, trans_b: bool = False) -> tuple[float, float]:
     """(cz, c0) with tau_i = cz * z_i + c0, both rounded up; the derivation, term by term, is
     in docs/validation.md ("The bound")."""
     if k * _U32 >= Fraction(1, 2):
         raise ValueError(f"K = {k} is too large for a float32 error bound (must be < 2**23)")
     u, v = _U32, _U64
-    g32, g_n, g_k = _gamma(k, u), _gamma(n, v), _gamma(k, v)
-    theta = n * k * _ETA32 * (1 + g32)  # the kernel's underflows, summed over a row
-    y_err = g_n + u * (1 + g_n)  # |y24_k - y_k| <= y_err * w_k
-    # Honest: |R_i| <= (1 + v)(alpha z_i + theta + g_n s_i) and s_i <= (1 + g32) z_i + theta.
-    alpha = g32 + g_k * (1 + u) * (1 + g_n) + y_err + g_n * (1 + g32)
-    # z_i <= z_hat_i / (...); (1 + v): the rounding of R; (1 - v)**2: the two roundings of tau.
+    g_kernel = _gamma(k, u)  # the honest kernel: K fused multiply-adds in a row
+    g_b = _gamma(depth(n, trans_b), u)  # y = op(B) x and w = |op(B)| 1
+    g_c = _gamma(depth(n, False), u)  # Cx
+    g_a = _gamma(depth(k, trans_a), u)  # op(A) y and z = |op(A)| w
+    theta = n * k * _ETA32 * (1 + g_kernel)  # the kernel's underflows, summed over a row
+    under = k * _ETA32 * (1 + g_a)  # the check's own, in op(A) y and in z
+    # Honest: |R_i| <= (1 + v)(alpha z_i + beta), with s_i <= (1 + g_kernel) z_i + theta.
+    alpha = g_kernel + g_c * (1 + g_kernel) + g_a * (1 + g_b) + g_b
+    beta = (1 + g_c) * theta + under
+    # z_i <= (z_hat_i + under) / den; (1 + v): the rounding of R; (1 - v)**2: those of tau.
+    den = (1 - g_a) * (1 - g_b)
     slack = (1 + v) / (1 - v) ** 2
-    cz = slack * alpha / ((1 - g_k) * (1 - u) * (1 - g_n))
-    return _round_up(cz), _round_up(slack * (1 + g_n) * theta)
+    return _round_up(slack * alpha / den), _round_up(slack * (alpha * under / den + beta))
 
 
 def verify(
@@ -158,7 +174,7 @@ def verify(
         )
     rounds = _rounds(rounds)
     bits = probe_bits(key, wu_id, rounds, n)
-    cz, c0 = tolerance(n, k)
+    cz, c0 = tolerance(n, k, trans_a, trans_b)
     if use_reference():
         signs = probe_signs(key, wu_id, rounds, n)
         raw = _freivalds_numpy(a, b, c, trans_a, trans_b, signs, cz, c0)
@@ -169,6 +185,12 @@ def verify(
 
 def _result(raw: tuple, rounds: int) -> FreivaldsResult:
     ok, nonfinite, row, t, residual, bound, ratio = raw
+    if nonfinite == OVERFLOW:
+        reason = (
+            "the check's float32 sums overflowed (operands too large for it): "
+            "Freivalds cannot decide this tile, quorum must"
+        )
+        return FreivaldsResult(False, math.nan, math.nan, math.inf, rounds, reason, None, False)
     if nonfinite:
         names = " and ".join(
             name for bit, name in ((1, "a"), (2, "b"), (4, "c")) if nonfinite & bit
@@ -185,40 +207,49 @@ def _result(raw: tuple, rounds: int) -> FreivaldsResult:
 # ---- the numpy twin: the same sums in the same order as probe_impl.c, so the same bits ----
 
 
-def _round24(y: np.ndarray) -> np.ndarray:
-    """y rounded to nearest on 24 significant bits (Veltkamp's split), as probe_impl.c does."""
-    high = y * _VELTKAMP
-    return high - (high - y)
-
-
 def _combine(lanes: np.ndarray) -> np.ndarray:
-    """((S0+S4)+(S2+S6))+((S1+S5)+(S3+S7)) over axis 1 of length 8."""
-    s4 = lanes[:, :4] + lanes[:, 4:]
-    s2 = s4[:, :2] + s4[:, 2:]
-    return s2[:, 0] + s2[:, 1]
+    """The 16 lane sums on axis 1 halved as probe_impl.c does: l + (l+8), then +4, +2, +1."""
+    while lanes.shape[1] > 1:
+        half = lanes.shape[1] // 2
+        lanes = lanes[:, :half] + lanes[:, half:]
+    return lanes[:, 0]
 
 
-def _pass(mat: np.ndarray, trans: bool, x: np.ndarray, w: np.ndarray) -> tuple[np.ndarray, ...]:
-    """(op(M) @ x, |op(M)| @ w) with every product exact and the additions in the fixed order."""
-    m64 = mat.astype(np.float64)
-    if trans:  # op(M)[:, q] is row q of M; each output sums in increasing q
-        out = np.zeros((m64.shape[1], x.shape[1]))
-        sums = np.zeros(m64.shape[1])
-        for q in range(m64.shape[0]):
-            out += m64[q][:, None] * x[q]
-            sums += np.abs(m64[q]) * w[q]
+def _exact_fma(v: np.ndarray, s: np.ndarray, acc: np.ndarray) -> np.ndarray:
+    """fmaf(v, s, acc) when v * s is exact in float32 (s is +-1 or 1): one rounding."""
+    return acc + v * s
+
+
+def _pass(
+    mat: np.ndarray, trans: bool, x: np.ndarray, w: np.ndarray, fma=_exact_fma
+) -> tuple[np.ndarray, ...]:
+    """(op(M) @ x, |op(M)| @ w) in float32, each term added by fma, in probe_impl.c's order."""
+    if trans:  # op(M)[:, q] is row q of M: chunks of CHUNK rows, then the chunks in order
+        out = np.zeros((mat.shape[1], x.shape[1]), np.float32)
+        sums = np.zeros(mat.shape[1], np.float32)
+        for q0 in range(0, mat.shape[0], CHUNK):
+            part, abs_part = np.zeros_like(out), np.zeros_like(sums)
+            for q in range(q0, min(mat.shape[0], q0 + CHUNK)):
+                part = fma(mat[q][:, None], x[q], part)
+                abs_part = fma(np.abs(mat[q]), w[q], abs_part)
+            out, sums = out + part, sums + abs_part
         return out, sums
-    # Lane l sums the terms q = l mod 8; zero padding adds +0.0, which changes no sum.
-    pad = -m64.shape[1] % 8
-    m64 = np.pad(m64, ((0, 0), (0, pad)))
+    # Lane l sums the terms q = l mod 16; zero padding adds +0.0, which changes no sum.
+    pad = -mat.shape[1] % LANES
+    mat = np.pad(mat, ((0, 0), (0, pad)))
     x, w = np.pad(x, ((0, pad), (0, 0))), np.pad(w, (0, pad))
-    lanes = np.zeros((m64.shape[0], 8, x.shape[1]))
-    abs_lanes = np.zeros((m64.shape[0], 8))
-    for q in range(0, m64.shape[1], 8):
-        block = m64[:, q : q + 8]
-        lanes += block[:, :, None] * x[q : q + 8]
-        abs_lanes += np.abs(block) * w[q : q + 8]
+    lanes = np.zeros((mat.shape[0], LANES, x.shape[1]), np.float32)
+    abs_lanes = np.zeros((mat.shape[0], LANES), np.float32)
+    for q in range(0, mat.shape[1], LANES):
+        block = mat[:, q : q + LANES]
+        lanes = fma(block[:, :, None], x[q : q + LANES], lanes)
+        abs_lanes = fma(np.abs(block), w[q : q + LANES], abs_lanes)
     return _combine(lanes), _combine(abs_lanes)
+
+
+def _why_not_finite(a: np.ndarray, b: np.ndarray, c: np.ndarray) -> int:
+    found = sum(bit for bit, m in ((1, a), (2, b), (4, c)) if not np.isfinite(m).all())
+    return found or OVERFLOW
 
 
 def _freivalds_numpy(
@@ -232,19 +263,21 @@ def _freivalds_numpy(
     c0: float,
 ) -> tuple:
     """What th_freivalds returns, computed with numpy (slow, same bits)."""
-    ones = np.ones(c.shape[1])
+    from kernels.reference import fma32  # the kernels' twin emulates fmaf exactly
+
+    signs = signs.astype(np.float32)
+    ones = np.ones(c.shape[1], np.float32)
     with np.errstate(invalid="ignore", over="ignore"):  # inf - inf when an input is not finite
         y, w = _pass(b, trans_b, signs, ones)
         cx, _ = _pass(c, False, signs, ones)
-    nonfinite = (0 if np.isfinite(w).all() else 2) | (0 if np.isfinite(cx).all() else 4)
-    if nonfinite:
-        return (False, nonfinite, -1, 0, 0.0, 0.0, 0.0)
-    with np.errstate(invalid="ignore", over="ignore"):
-        ay, z = _pass(a, trans_a, _round24(y), _round24(w))
-    if not np.isfinite(z).all():
-        return (False, 1, -1, 0, 0.0, 0.0, 0.0)
-    tau = (cz * z + c0)[:, None]
-    residual = np.abs(cx - ay)
+        finite = np.isfinite(w).all() and np.isfinite(cx).all()
+        if finite:
+            ay, z = _pass(a, trans_a, y, w, fma32)
+            finite = np.isfinite(z).all() and np.isfinite(ay).all()
+    if not finite:
+        return (False, _why_not_finite(a, b, c), -1, 0, 0.0, 0.0, 0.0)
+    tau = (cz * z.astype(np.float64) + c0)[:, None]
+    residual = np.abs(cx.astype(np.float64) - ay.astype(np.float64))
     with np.errstate(divide="ignore", invalid="ignore"):
         ratio = np.where(residual == 0.0, 0.0, residual / tau)
     ok = not bool((residual > tau).any())
