@@ -160,6 +160,9 @@ class Coordinator:
         self.waiters = Waiters()  # long-polling work requests
         self.ledger.on_unsent = self._signal_work
         self._tasks: list[asyncio.Task] = []
+        # The background passes (validate, transition, assimilate, commit): they run until
+        # stop() and end early only by failing, which whoever waits on the work must see.
+        self.passes: asyncio.Task | None = None
         self.stats = {"bytes_saved": 0, "tiles_in": 0, "work_requests": 0, "invalid": 0}
         self.training: dict = {}  # step, steps, loss: set by the training loop
         self.history: list[dict] = []  # one entry per step: loss, val_loss, seconds
@@ -187,7 +190,8 @@ class Coordinator:
                 len(snapshot.gemms),
                 len(snapshot.workunits),
             )
-        self._tasks.append(asyncio.create_task(self._run_loop(), name="tilehive-transitioner"))
+        self.passes = asyncio.create_task(self._run_loop(), name="tilehive-transitioner")
+        self._tasks.append(self.passes)
 
     async def stop(self) -> None:
         for task in self._tasks:

@@ -105,8 +105,19 @@ async def _train(coordinator: Coordinator, project: Project, url: str, keep_serv
     trainer.on_checkpoint = coordinator.prune
     training = asyncio.create_task(trainer.run(on_step=on_step))
     stopper = asyncio.create_task(stop.wait())
+    passes = {coordinator.passes} if coordinator.passes is not None else set()
     try:
-        await asyncio.wait({training, stopper}, return_when=asyncio.FIRST_COMPLETED)
+        await asyncio.wait({training, stopper, *passes}, return_when=asyncio.FIRST_COMPLETED)
+        if not training.done() and any(task.done() for task in passes):
+            # Nothing would validate or commit any more: fail now rather than wait for ever.
+            training.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await training
+            log.error(
+                "training stopped: the coordinator's loop failed (logged above); run the same "
+                "command again to go on from the last checkpoint"
+            )
+            return 1
         if training.done():
             try:
                 training.result()

@@ -266,3 +266,22 @@ def _answers(url: str) -> bool:
             return reply.status == 200
     except OSError:
         return False
+
+
+async def test_a_failed_coordinator_loop_stops_training_instead_of_hanging(
+    tmp_path, monkeypatch, caplog
+):
+    """If the loop that validates and commits dies, `tilehive coordinator` says so and exits 1
+    (the run resumes from its last checkpoint), rather than serving on with nothing moving."""
+    from coordinator import host
+    from coordinator.engine import Coordinator
+
+    async def broken_step(self, now: float) -> None:
+        raise RuntimeError("the disk is on fire")
+
+    monkeypatch.setattr(Coordinator, "step", broken_step)
+    project = projects.create(tmp_path / "p", **{**SMALL, "training.steps": 2})
+    code = await asyncio.wait_for(host.host_project(project, "127.0.0.1", 0, False), 60)
+    assert code == 1
+    assert "the disk is on fire" in caplog.text  # the loop's own traceback
+    assert "training stopped: the coordinator's loop failed" in caplog.text
