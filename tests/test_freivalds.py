@@ -385,10 +385,20 @@ def test_tolerance_covers_its_parts() -> None:
         tolerance(4, 2**23)
 
 
-@pytest.mark.parametrize(("q", "trans", "expected"), [(0, False, 0), (1, False, 5), (16, False, 5),
-                                                      (17, False, 6), (512, False, 36),
-                                                      (1, True, 2), (16, True, 17),
-                                                      (17, True, 18), (512, True, 48)])
+@pytest.mark.parametrize(
+    ("q", "trans", "expected"),
+    [
+        (0, False, 0),
+        (1, False, 5),
+        (16, False, 5),
+        (17, False, 6),
+        (512, False, 36),
+        (1, True, 2),
+        (16, True, 17),
+        (17, True, 18),
+        (512, True, 48),
+    ],
+)
 def test_depth_counts_the_roundings_of_a_term(q: int, trans: bool, expected: int) -> None:
     assert freivalds.depth(q, trans) == expected
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 from fractions import Fraction
 from functools import lru_cache
@@ -13,6 +14,7 @@ import numpy as np
 
 from kernels.checks import check_matrix, op_shape
 from kernels.gemm import KERNEL_ENV
+from kernels.reference import fma32  # the kernels' twin emulates fmaf exactly
 
 try:
     from validation import _probe
@@ -220,9 +222,12 @@ def _exact_fma(v: np.ndarray, s: np.ndarray, acc: np.ndarray) -> np.ndarray:
     return acc + v * s
 
 
+Fma = Callable[[np.ndarray, np.ndarray, np.ndarray], np.ndarray]
+
+
 def _pass(
-    mat: np.ndarray, trans: bool, x: np.ndarray, w: np.ndarray, fma=_exact_fma
-) -> tuple[np.ndarray, ...]:
+    mat: np.ndarray, trans: bool, x: np.ndarray, w: np.ndarray, fma: Fma = _exact_fma
+) -> tuple[np.ndarray, np.ndarray]:
     """(op(M) @ x, |op(M)| @ w) in float32, each term added by fma, in probe_impl.c's order."""
     if trans:  # op(M)[:, q] is row q of M: chunks of CHUNK rows, then the chunks in order
         out = np.zeros((mat.shape[1], x.shape[1]), np.float32)
@@ -263,8 +268,6 @@ def _freivalds_numpy(
     c0: float,
 ) -> tuple:
     """What th_freivalds returns, computed with numpy (slow, same bits)."""
-    from kernels.reference import fma32  # the kernels' twin emulates fmaf exactly
-
     signs = signs.astype(np.float32)
     ones = np.ones(c.shape[1], np.float32)
     with np.errstate(invalid="ignore", over="ignore"):  # inf - inf when an input is not finite
