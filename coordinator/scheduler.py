@@ -1,7 +1,8 @@
 """The scheduler: which unsent results a host gets, with which deadline, and what it drops.
 
 BOINC's rules and the fixes for what its users complain about:
-- never two replicas of one work unit to the same host (one bad host cannot form a quorum);
+- never two replicas of one work unit to the same host (one bad host cannot form a quorum),
+  except the replacement of a single-replica work unit's timed-out replica (below);
 - a host has an in-progress quota, cut when it returns invalid or no results, and sized in
   seconds of work once it has a long valid record (small tiles cost no round trip each);
 - results whose operand panels the host has cached come first (the bytes saved are counted);
@@ -108,6 +109,18 @@ def fast_and_reliable(host: Host, ledger: Ledger) -> bool:
     return host.gflops >= statistics.median(speeds)
 
 
+def takes_replacement(host: Host, wu: WorkUnit, siblings: list[Result]) -> bool:
+    """Whether a host that already had a replica of wu may get another. Under a quorum never:
+    a late report of its first one still counts, and one host must not be two votes. A
+    work unit that one replica decides (Freivalds) may go back to a host whose replicas all
+    timed out or were given back, so that a project with a single volunteer goes on after a
+    missed deadline; not to one that erred on it or still holds it."""
+    if wu.min_quorum > 1:
+        return False
+    mine = [r for r in siblings if r.host_id == host.id]
+    return all(r.server_state is ServerState.OVER and r.outcome is Outcome.NO_REPLY for r in mine)
+
+
 def wants_tile(wu_results: list[Result]) -> bool:
     """Upload the full tile unless another live replica already does."""
     usable = (ValidateState.INIT, ValidateState.VALID)
@@ -184,11 +197,15 @@ class Scheduler:
         if result is None or result.server_state is not ServerState.UNSENT:
             return None
         wu = ledger.wus[result.wu_id]
-        if wu.state is not WuState.ACTIVE or host.id in ledger.hosts_of_wu.get(wu.id, ()):
+        if wu.state is not WuState.ACTIVE:
+            return None
+        siblings = ledger.results_for(wu.id)
+        if host.id in ledger.hosts_of_wu.get(wu.id, ()) and not takes_replacement(
+            host, wu, siblings
+        ):
             return None
         if held >= quota(host, wu.flops, self.config):
             return None
-        siblings = ledger.results_for(wu.id)
         if wu.accelerated and not fast_and_reliable(host, ledger):
             # Only the spare is kept for fast hosts; replicas the quorum needs go to anyone.
             live = sum(

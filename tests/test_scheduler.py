@@ -174,6 +174,43 @@ def test_a_host_does_not_get_another_replica_after_its_first_one_ended(outcome):
     assert assigned(sched.plan(make_host(2), request(), NOW)) == ["wu-1-r1"]
 
 
+def freivalds_wu(n: int) -> WorkUnit:
+    return make_wu(n, policy=Policy.FREIVALDS, target_nresults=1, min_quorum=1)
+
+
+def test_a_lone_volunteer_gets_the_replacement_of_its_timed_out_freivalds_tile():
+    """With one volunteer there is no other host: a single-replica work unit whose replica
+    missed its deadline must go back to it, or training stops for good."""
+    wu = freivalds_wu(1)
+    ledger = make_ledger([wu], replicas=0)
+    ledger.put_result(
+        sent_to(wu, 1, 0).evolve(server_state=ServerState.OVER, outcome=Outcome.NO_REPLY)
+    )
+    ledger.put_result(replica(wu, 1))
+
+    assert assigned(scheduler(ledger).plan(make_host(1), request(), NOW)) == ["wu-1-r1"]
+
+
+@pytest.mark.parametrize(
+    ("mine", "gets_it"),
+    [
+        pytest.param({"outcome": Outcome.NO_REPLY}, True, id="timed out"),
+        pytest.param({"outcome": Outcome.CLIENT_ERROR}, False, id="erred on it"),
+        pytest.param({"outcome": Outcome.SUCCESS}, False, id="already returned it"),
+        pytest.param({"server_state": ServerState.IN_PROGRESS}, False, id="still holds it"),
+    ],
+)
+def test_a_freivalds_replacement_goes_back_only_to_a_host_that_timed_out(mine, gets_it):
+    wu = freivalds_wu(1)
+    ledger = make_ledger([wu], replicas=0)
+    ended = {"server_state": ServerState.OVER, **mine}
+    ledger.put_result(sent_to(wu, 1, 0).evolve(**ended))
+    ledger.put_result(replica(wu, 1))
+
+    plan = scheduler(ledger).plan(make_host(1), request(in_progress=["wu-1-r0"]), NOW)
+    assert ("wu-1-r1" in assigned(plan)) is gets_it
+
+
 # ---- quota ---------------------------------------------------------------------------------
 
 
