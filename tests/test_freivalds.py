@@ -383,6 +383,8 @@ def test_tolerance_covers_its_parts() -> None:
     assert tolerance(512, 512, True, True)[0] > tolerance(512, 512, True, False)[0] + 11 * u
     with pytest.raises(ValueError, match="too large"):
         tolerance(4, 2**23)
+    with pytest.raises(ValueError, match="n = 134217457 is too large"):
+        tolerance(freivalds.MAX_N + 1, 4)
 
 
 @pytest.mark.parametrize(

@@ -32,6 +32,8 @@ KEY_BYTES = 32  # blake3's keyed mode takes exactly this
 LANES = 16  # partial sums over the contiguous index of a row-major operand
 CHUNK = 16  # rows per partial sum over the row index of a transposed operand
 OVERFLOW = 8  # the `nonfinite` flag of a check whose own float32 sums overflowed
+# The widest tile whose sums the bound covers: no term through 2**23 roundings or more.
+MAX_N = CHUNK * (2**23 - CHUNK - 1)
 
 _U32 = Fraction(1, 2**24)  # unit roundoff of float32
 _U64 = Fraction(1, 2**53)  # unit roundoff of float64
@@ -49,7 +51,8 @@ class FreivaldsResult:
     rounds: int
     reason: str
     row: int | None = None  # the worst row; None for an empty tile or non-finite input
-    finite: bool = True  # False: a, b or c held NaN or inf, Freivalds cannot decide (quorum does)
+    finite: bool = True  # False: NaN or inf in a, b or c, or the check's own sums overflowed:
+    # Freivalds cannot decide (quorum does)
 
 
 def use_reference() -> bool:
@@ -125,6 +128,8 @@ def tolerance(n: int, k: int, trans_a: bool = False, trans_b: bool = False) -> t
     in docs/validation.md ("The bound")."""
     if k * _U32 >= Fraction(1, 2):
         raise ValueError(f"K = {k} is too large for a float32 error bound (must be < 2**23)")
+    if n > MAX_N:
+        raise ValueError(f"n = {n} is too large for the check's float32 sums (at most {MAX_N:,})")
     u, v = _U32, _U64
     g_kernel = _gamma(k, u)  # the honest kernel: K fused multiply-adds in a row
     g_b = _gamma(depth(n, trans_b), u)  # y = op(B) x and w = |op(B)| 1
@@ -239,7 +244,8 @@ def _pass(
                 abs_part = fma(np.abs(mat[q]), w[q], abs_part)
             out, sums = out + part, sums + abs_part
         return out, sums
-    # Lane l sums the terms q = l mod 16; zero padding adds +0.0, which changes no sum.
+    # Lane l sums the terms q = l mod 16, up to a whole block: the padding adds +0.0, which
+    # changes no sum but a -0.0 (into +0.0), as in every compiled variant.
     pad = -mat.shape[1] % LANES
     mat = np.pad(mat, ((0, 0), (0, pad)))
     x, w = np.pad(x, ((0, pad), (0, 0))), np.pad(w, (0, pad))

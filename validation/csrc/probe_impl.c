@@ -95,10 +95,14 @@ static void pass_generic(th_matrix mt, const float *x, int r, const float *w, fl
         const float *row = mt.m + p * mt.q;
         for (int t = 0; t < r + (sums != NULL); t++) {
             float lane[TH_LANES] = {0};
-            for (ptrdiff_t q = 0; q < mt.q; q++) {
-                const float v = row[q];
+            /* Up to a whole block, the missing terms +0.0 times +0.0 as the SIMD variants
+             * read them: that turns a lane that ended at -0.0 into +0.0 there, so here too. */
+            for (ptrdiff_t q = 0; q < ceil16(mt.q); q++) {
+                const int in = q < mt.q;
+                const float v = in ? row[q] : 0.0f;
                 float *s = &lane[q % TH_LANES];
-                *s = t < r ? fmaf(v, x[q * r + t], *s) : fmaf(fabsf(v), w[q], *s);
+                *s = t < r ? fmaf(v, in ? x[q * r + t] : 0.0f, *s)
+                           : fmaf(fabsf(v), in ? w[q] : 0.0f, *s);
             }
             if (t < r)
                 out[p * r + t] = combine_lanes(lane);
@@ -217,7 +221,7 @@ TH_AVX512_INLINE void rows512(th_matrix mt, ptrdiff_t p, const int nr, const flo
         rows_step512(row, Q, q, (__mmask16)0xffff, nr, xb, rc, sums != NULL,
                      _mm512_loadu_ps(w + q), acc, abs_acc);
     }
-    if (full < Q) { /* masked lanes read 0 and add +0.0, which leaves a sum unchanged */
+    if (full < Q) { /* masked lanes read 0 and add +0.0 (a -0.0 sum becomes +0.0; all alike) */
         const __mmask16 k = (__mmask16)((1u << (Q - full)) - 1);
         rows_step512(row, Q, full, k, nr, xb, rc, sums != NULL, _mm512_maskz_loadu_ps(k, w + full),
                      acc, abs_acc);
@@ -242,7 +246,9 @@ TH_AVX512_INLINE void rows512_shifted(th_matrix mt, ptrdiff_t p, const int nr, c
                                       float *sums, const float *pf, int o)
 {
     const ptrdiff_t Q = mt.q;
-    const float *base = mt.m + p * Q - o; /* 64-byte aligned */
+    /* 64-byte aligned; through an integer, as it points before the row (before the array
+     * when p = 0): only the masked lanes from o on are ever read there. */
+    const float *base = (const float *)((uintptr_t)(mt.m + p * Q) - (uintptr_t)o * sizeof(float));
     const __m512i idx = _mm512_add_epi32(
         _mm512_set1_epi32(o), _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15));
     const __mmask16 head = (__mmask16)(0xffffu << o), tail = (__mmask16)((1u << o) - 1);
@@ -297,7 +303,7 @@ TH_AVX512_INLINE void all_rows512(th_matrix mt, const float *xt, int r, int t0, 
     const ptrdiff_t ahead = nr * th_lead(nr * mt.q);
     const uintptr_t at = (uintptr_t)mt.m;
     const int o = (int)(at % 64 / sizeof(float));
-    const int shifted = o != 0 && at % sizeof(float) == 0 && mt.q % TH_LANES == 0;
+    const int shifted = o != 0 && at % sizeof(float) == 0 && mt.q > 0 && mt.q % TH_LANES == 0;
     ptrdiff_t p = 0;
     for (; p + nr <= mt.p; p += nr) {
         const float *pf = th_ahead(mt, p + ahead, nr * mt.q);
