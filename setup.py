@@ -1,7 +1,7 @@
 """Build the Cython kernels; everything else about the package lives in pyproject.toml.
 
 Each extension is a thin Cython shell (`*.pyx`, compiled to C at build time and never
-committed) around hand-written C in its package's `csrc/`."""
+committed) around hand-written C in the top-level `csrc/`, outside the Python packages."""
 
 import numpy
 from Cython.Build import cythonize
@@ -21,15 +21,15 @@ DETERMINISTIC_CFLAGS = [
 extensions = [
     Extension(
         "kernels._gemm",
-        ["kernels/_gemm.pyx", "kernels/csrc/gemm_impl.c"],
-        include_dirs=["kernels/csrc", numpy.get_include()],
+        ["kernels/_gemm.pyx", "csrc/gemm_impl.c"],
+        include_dirs=["csrc", numpy.get_include()],
         extra_compile_args=DETERMINISTIC_CFLAGS,
         define_macros=[("NPY_NO_DEPRECATED_API", "NPY_1_7_API_VERSION")],
     ),
     Extension(
         "validation._probe",
-        ["validation/_probe.pyx", "validation/csrc/probe_impl.c"],
-        include_dirs=["validation/csrc", numpy.get_include()],
+        ["validation/_probe.pyx", "csrc/probe_impl.c"],
+        include_dirs=["csrc", numpy.get_include()],
         extra_compile_args=DETERMINISTIC_CFLAGS,
         define_macros=[("NPY_NO_DEPRECATED_API", "NPY_1_7_API_VERSION")],
     ),

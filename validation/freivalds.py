@@ -28,7 +28,7 @@ DEFAULT_ROUNDS = 2
 MAX_ROUNDS = 64
 KEY_BYTES = 32  # blake3's keyed mode takes exactly this
 
-# The order of the check's sums, as in validation/csrc/probe_impl.c (probe_impl.h).
+# The order of the check's sums, as in csrc/probe_impl.c (probe_impl.h).
 LANES = 16  # partial sums over the contiguous index of a row-major operand
 CHUNK = 16  # rows per partial sum over the row index of a transposed operand
 OVERFLOW = 8  # the `nonfinite` flag of a check whose own float32 sums overflowed
