@@ -199,13 +199,13 @@ class Scheduler:
         wu = ledger.wus[result.wu_id]
         if wu.state is not WuState.ACTIVE:
             return None
-        siblings = ledger.results_for(wu.id)
         if host.id in ledger.hosts_of_wu.get(wu.id, ()) and not takes_replacement(
-            host, wu, siblings
+            host, wu, ledger.results_for(wu.id)
         ):
             return None
         if held >= quota(host, wu.flops, self.config):
             return None
+        siblings = ledger.results_for(wu.id)
         if wu.accelerated and not fast_and_reliable(host, ledger):
             # Only the spare is kept for fast hosts; replicas the quorum needs go to anyone.
             live = sum(

@@ -171,6 +171,34 @@ TH_AVX512_INLINE float combine512(__m512 s)
 #define TH_ROWS_FOR(rc) ((rc) <= 4 ? 4 : (rc) <= 6 ? 3 : 2)
 #define TH_BLOCKS_FOR(rc) ((rc) <= 2 ? 4 : (rc) <= 4 ? 2 : 1)
 
+/* The sums of nr rows for rc rounds, and of their absolute values, all +0.0. */
+TH_AVX512_INLINE void zero_rows512(__m512 acc[][TH_RC], __m512 *abs_acc, const int nr,
+                                   const int rc)
+{
+#pragma GCC unroll 4
+    for (int i = 0; i < nr; i++) {
+        abs_acc[i] = _mm512_setzero_ps();
+#pragma GCC unroll 8
+        for (int t = 0; t < rc; t++)
+            acc[i][t] = _mm512_setzero_ps();
+    }
+}
+
+/* Rows [p, p+nr)'s lane sums combined into out (rounds [t0, t0+rc)) and sums. */
+TH_AVX512_INLINE void store_rows512(__m512 acc[][TH_RC], __m512 *abs_acc, const int nr,
+                                    const int rc, ptrdiff_t p, int r, int t0, float *out,
+                                    float *sums)
+{
+#pragma GCC unroll 4
+    for (int i = 0; i < nr; i++) {
+#pragma GCC unroll 8
+        for (int t = 0; t < rc; t++)
+            out[(p + i) * r + t0 + t] = combine512(acc[i][t]);
+        if (sums)
+            sums[p + i] = combine512(abs_acc[i]);
+    }
+}
+
 /* One block of 16 terms of nr rows, their q-th to (q+15)-th, read through mask k: lane l of
  * acc[i][t] is the partial sum S_l of row i.  xb holds the block's probes of each round t as
  * 16 floats at xb + 16t.  (Each row's vector is loaded and used in one place, so that the
@@ -204,13 +232,7 @@ TH_AVX512_INLINE void rows512(th_matrix mt, ptrdiff_t p, const int nr, const flo
     const ptrdiff_t Q = mt.q, full = Q / TH_LANES * TH_LANES;
     const float *row = mt.m + p * Q;
     __m512 acc[4][TH_RC], abs_acc[4];
-#pragma GCC unroll 4
-    for (int i = 0; i < nr; i++) {
-        abs_acc[i] = _mm512_setzero_ps();
-#pragma GCC unroll 8
-        for (int t = 0; t < rc; t++)
-            acc[i][t] = _mm512_setzero_ps();
-    }
+    zero_rows512(acc, abs_acc, nr, rc);
     const float *xb = xt;
     for (ptrdiff_t q = 0; q < full; q += TH_LANES, xb += TH_LANES * rc) {
         if (pf != NULL) { /* one prefetch per cache line of each row */
@@ -226,14 +248,7 @@ TH_AVX512_INLINE void rows512(th_matrix mt, ptrdiff_t p, const int nr, const flo
         rows_step512(row, Q, full, k, nr, xb, rc, sums != NULL, _mm512_maskz_loadu_ps(k, w + full),
                      acc, abs_acc);
     }
-#pragma GCC unroll 4
-    for (int i = 0; i < nr; i++) {
-#pragma GCC unroll 8
-        for (int t = 0; t < rc; t++)
-            out[(p + i) * r + t0 + t] = combine512(acc[i][t]);
-        if (sums)
-            sums[p + i] = combine512(abs_acc[i]);
-    }
+    store_rows512(acc, abs_acc, nr, rc, p, r, t0, out, sums);
 }
 
 /* As rows512, for rows of a multiple of 16 floats that start o floats (0 < o < 16) past a
@@ -253,14 +268,10 @@ TH_AVX512_INLINE void rows512_shifted(th_matrix mt, ptrdiff_t p, const int nr, c
         _mm512_set1_epi32(o), _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15));
     const __mmask16 head = (__mmask16)(0xffffu << o), tail = (__mmask16)((1u << o) - 1);
     __m512 acc[4][TH_RC], abs_acc[4], line[4];
+    zero_rows512(acc, abs_acc, nr, rc);
 #pragma GCC unroll 4
-    for (int i = 0; i < nr; i++) {
-        abs_acc[i] = _mm512_setzero_ps();
+    for (int i = 0; i < nr; i++)
         line[i] = _mm512_maskz_load_ps(head, base + i * Q);
-#pragma GCC unroll 8
-        for (int t = 0; t < rc; t++)
-            acc[i][t] = _mm512_setzero_ps();
-    }
     const float *xb = xt;
     for (ptrdiff_t q = 0; q < Q; q += TH_LANES, xb += TH_LANES * rc) {
         if (pf != NULL) {
@@ -286,14 +297,7 @@ TH_AVX512_INLINE void rows512_shifted(th_matrix mt, ptrdiff_t p, const int nr, c
                 abs_acc[i] = _mm512_fmadd_ps(_mm512_abs_ps(v), wv, abs_acc[i]);
         }
     }
-#pragma GCC unroll 4
-    for (int i = 0; i < nr; i++) {
-#pragma GCC unroll 8
-        for (int t = 0; t < rc; t++)
-            out[(p + i) * r + t0 + t] = combine512(acc[i][t]);
-        if (sums)
-            sums[p + i] = combine512(abs_acc[i]);
-    }
+    store_rows512(acc, abs_acc, nr, rc, p, r, t0, out, sums);
 }
 
 TH_AVX512_INLINE void all_rows512(th_matrix mt, const float *xt, int r, int t0, const int rc,
