@@ -128,6 +128,10 @@ def host_of(state_dir: Path) -> int | None:
         return None
 
 
+# How long the coordinator may take to commit a report that was already on its way.
+REPORTS_IN = 1.0
+
+
 def holds_work(project: Path, state_dir: Path) -> bool:
     host = host_of(state_dir)
     if host is None:
@@ -139,10 +143,38 @@ def holds_work(project: Path, state_dir: Path) -> bool:
     return held[0][0] > 0
 
 
+async def next_victim(live: dict, order: list[int], project: Path, pace: float) -> int:
+    """The slot of a volunteer that holds work, looked for during up to `pace` seconds, or the
+    longest-lived if none gets any; all volunteers are left frozen. A product takes
+    milliseconds, so every volunteer is frozen (SIGSTOP) before each look. A report sent just
+    before the freeze still shows as work held until the coordinator commits it: only work
+    still held once the reports on their way are in counts."""
+    processes = [process for process, _ in live.values()]
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + pace
+
+    def holding() -> list[int]:
+        return [slot for slot in order if holds_work(project, live[slot][1])]
+
+    while True:
+        signal_all(processes, signal.SIGSTOP)
+        if holding():
+            with contextlib.suppress(TimeoutError):
+                await wait_until(lambda: not holding(), timeout=REPORTS_IN)
+            held = holding()
+            if held:
+                return held[0]
+        if loop.time() > deadline:
+            return order[0]
+        signal_all(processes, signal.SIGCONT)
+        with contextlib.suppress(TimeoutError):
+            await wait_until(lambda: bool(holding()), timeout=deadline - loop.time())
+
+
 async def churn(tmp_path: Path, reaper, steps: int, pace: float, crew: int) -> None:
-    """Every `pace` seconds the longest-lived volunteer is killed with SIGKILL and a new one
-    started: half of them new hosts, half back with their old identity (the coordinator
-    resends what it still holds for them)."""
+    """Every `pace` seconds a volunteer is killed with SIGKILL, one holding work if any gets
+    some soon (else the longest-lived), and a new one started: half of them new hosts, half
+    back with their old identity (the coordinator resends what it still holds for them)."""
     local, remote = make_pair(tmp_path, steps, **settings())
     port = free_port()
     url, log = f"http://127.0.0.1:{port}", tmp_path / "coordinator.log"
@@ -163,16 +195,14 @@ async def churn(tmp_path: Path, reaper, steps: int, pace: float, crew: int) -> N
             with contextlib.suppress(subprocess.TimeoutExpired):
                 await asyncio.to_thread(coordinator.wait, pace)  # the killer's pace
                 break
-            slot = order.pop(0)
+            slot = await next_victim(live, order, remote, pace)
             process, state = live[slot]
-            # Kill it while it holds work, if it gets some soon: a volunteer that takes a
-            # product's share at once holds tiles for milliseconds at a time.
-            with contextlib.suppress(TimeoutError):
-                await wait_until(lambda s=state: holds_work(remote, s), timeout=pace)
             process.send_signal(signal.SIGKILL)
             process.wait()
             kills.append((host_of(state), time.time()))
+            signal_all([p for s, (p, _) in live.items() if s != slot], signal.SIGCONT)
             live[slot] = volunteer(slot)
+            order.remove(slot)
             order.append(slot)
             assert len(kills) < 10 * RUN_TIMEOUT / pace, "training does not end"
     finally:
