@@ -197,7 +197,7 @@ def measure_freivalds(rng, a, b, flags, repeats: int, pool_bytes: int) -> dict:
 def measure_path(pool: list, verify, compute, calls: int) -> tuple[float, float]:
     """Median check and product times right after their operands are loaded from a BlobStore
     (measure_freivalds' "path")."""
-    from coordinator.blobstore import BlobStore
+    from coordinator.state.blobs import BlobStore
 
     with tempfile.TemporaryDirectory() as tmp:
         store = BlobStore(tmp, max_blob_bytes=1 << 30, memory_bytes=0)

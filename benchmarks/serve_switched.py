@@ -35,12 +35,12 @@ sys.path.insert(0, os.path.dirname(_HERE))
 import numpy as np  # noqa: E402
 
 import kernels  # noqa: E402
-from coordinator.access import AccessConfig  # noqa: E402
-from coordinator.api import serve  # noqa: E402
-from coordinator.engine import Coordinator, CoordinatorConfig  # noqa: E402
-from coordinator.queue import WorkQueue  # noqa: E402
-from coordinator.scheduler import SchedulerConfig  # noqa: E402
-from coordinator.workunits import Policy  # noqa: E402
+from coordinator.engine.coordinator import Coordinator, CoordinatorConfig  # noqa: E402
+from coordinator.engine.products import WorkQueue  # noqa: E402
+from coordinator.rules.access import AccessConfig  # noqa: E402
+from coordinator.rules.scheduler import SchedulerConfig  # noqa: E402
+from coordinator.server.api import serve  # noqa: E402
+from coordinator.work.records import Policy  # noqa: E402
 
 OPEN_ACCESS = AccessConfig(registrations_per_hour=1_000_000, host_rate=1000.0, host_burst=2000.0)
 
@@ -81,7 +81,7 @@ def wire_floor(directory: Path) -> dict:
 
 
 def wire_bytes(coordinator: Coordinator) -> tuple[float, float]:
-    counter = coordinator.metrics.bytes
+    counter = coordinator.engine.metrics.bytes
     return counter.labels("in")._value.get(), counter.labels("out")._value.get()
 
 
@@ -92,8 +92,8 @@ async def run(args: argparse.Namespace) -> dict:
         hash_only_replicas=not args.no_hash_only,
     )
     if args.train:
-        from coordinator.host import _train, coordinator_config
-        from coordinator.project import load
+        from coordinator.cli.serve import _train, coordinator_config
+        from coordinator.training.project import load
 
         project = load(directory)
         base = coordinator_config(project)
@@ -122,7 +122,7 @@ async def run(args: argparse.Namespace) -> dict:
     runner, url = await serve(coordinator, "127.0.0.1", args.port)
     try:
         print(url, flush=True)
-        while len(coordinator.ledger.hosts) < args.wait_hosts:
+        while len(coordinator.state.ledger.hosts) < args.wait_hosts:
             await asyncio.sleep(0.05)
         bytes_in, bytes_out = wire_bytes(coordinator)
         wall = time.perf_counter()
@@ -251,7 +251,7 @@ def start_volunteers(url: str, directory: Path, count: int) -> list[subprocess.P
                     [
                         sys.executable,
                         "-m",
-                        "coordinator.cli",
+                        "coordinator.cli.main",
                         "volunteer",
                         "start",
                         url,

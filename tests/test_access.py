@@ -11,10 +11,10 @@ import numpy as np
 import pytest
 
 import kernels
-from coordinator.access import AccessConfig
-from coordinator.engine import GemmFailed
-from coordinator.protocol import NotFound
-from coordinator.workunits import Policy
+from coordinator.engine.coordinator import GemmFailed
+from coordinator.rules.access import AccessConfig
+from coordinator.work.protocol import NotFound
+from coordinator.work.records import Policy
 from tests.conftest import bits, operands
 from tests.procs import tilehive
 from tests.test_coordinator_e2e import running, volunteers

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 import kernels
-from coordinator.blobstore import BlobNotFound, BlobStore
+from coordinator.state.blobs import BlobNotFound, BlobStore
 
 
 def tiles(count: int, seed: int = 0) -> list[bytes]:

@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 
 import kernels
-from coordinator.scheduler import SchedulerConfig
-from coordinator.workunits import Policy, Redundancy
+from coordinator.rules.scheduler import SchedulerConfig
+from coordinator.work.records import Policy, Redundancy
 from tests.conftest import bits, operands
 from tests.liar import EDGE, WELL_FORMED, Lie, Registry, liars
 from tests.test_coordinator_e2e import running, volunteers
@@ -53,7 +53,7 @@ async def validations(co, host_id: int) -> dict[str, list]:
 
 
 def api_warnings(caplog) -> str:
-    return "\n".join(r.getMessage() for r in caplog.records if r.name == "coordinator.api")
+    return "\n".join(r.getMessage() for r in caplog.records if r.name == "coordinator.server.api")
 
 
 async def liar_then_crew(co, queue, url, rng, lie: Lie, registry: Registry):
@@ -101,7 +101,7 @@ CASES = [(Policy.QUORUM, lie) for lie in Lie] + [
 async def test_one_liar_among_honest_volunteers_cannot_change_the_product(
     tmp_path, rng, caplog, policy, lie
 ):
-    caplog.set_level(logging.WARNING, logger="coordinator.api")
+    caplog.set_level(logging.WARNING, logger="coordinator.server.api")
     registry = Registry()
     async with running(tmp_path, policy=policy, tile=TILE, redundancy=redundancy()) as (
         co,

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from coordinator.workunits import Policy
+from coordinator.work.records import Policy
 from tests.conftest import operands
 from tests.procs import committed, free_port, start_volunteer, stop, tilehive
 from tests.test_coordinator_e2e import running

@@ -9,10 +9,10 @@ import numpy as np
 import pytest
 
 import kernels
-from coordinator.api import serve
-from coordinator.engine import Coordinator, CoordinatorConfig
-from coordinator.queue import WorkQueue
-from coordinator.workunits import Policy, Redundancy
+from coordinator.engine.coordinator import Coordinator, CoordinatorConfig
+from coordinator.engine.products import WorkQueue
+from coordinator.server.api import serve
+from coordinator.work.records import Policy, Redundancy
 from tests.conftest import bits, operands
 from tests.volunteers import Behaviour, ScriptedVolunteer, wait_until
 from volunteer.client import CoordinatorClient

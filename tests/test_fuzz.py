@@ -18,11 +18,11 @@ from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
 import kernels
-from coordinator.access import AccessConfig
-from coordinator.api import serve
-from coordinator.engine import Coordinator, CoordinatorConfig
-from coordinator.queue import WorkQueue
-from coordinator.workunits import Policy, Redundancy
+from coordinator.engine.coordinator import Coordinator, CoordinatorConfig
+from coordinator.engine.products import WorkQueue
+from coordinator.rules.access import AccessConfig
+from coordinator.server.api import serve
+from coordinator.work.records import Policy, Redundancy
 from tests.conftest import bits
 from tests.volunteers import Behaviour, ScriptedVolunteer, wait_until
 from volunteer.client import CoordinatorClient

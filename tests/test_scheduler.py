@@ -9,17 +9,17 @@ from collections.abc import Iterable
 
 import pytest
 
-from coordinator import hosts as trust
-from coordinator.ledger import Ledger
-from coordinator.protocol import WorkRequest
-from coordinator.scheduler import (
+from coordinator.rules import trust
+from coordinator.rules.scheduler import (
     Plan,
     Scheduler,
     SchedulerConfig,
     report_deadline,
     wants_tile,
 )
-from coordinator.workunits import (
+from coordinator.state.ledger import Ledger
+from coordinator.work.protocol import WorkRequest
+from coordinator.work.records import (
     Host,
     Outcome,
     Policy,

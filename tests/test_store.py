@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import dataclasses
 
-from coordinator.store import Batch, Event
-from coordinator.store_sqlite import SqliteStore
-from coordinator.workunits import (
+from coordinator.state.sqlite import SqliteStore
+from coordinator.state.store import Batch
+from coordinator.work.events import Event
+from coordinator.work.records import (
     Gemm,
     GemmState,
     Host,

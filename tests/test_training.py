@@ -14,10 +14,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from coordinator import project as projects
-from coordinator.model import TinyGPT, init_params, param_shapes
-from coordinator.project import ModelSettings
-from coordinator.trainer import LocalBackend, Trainer
+from coordinator.training import project as projects
+from coordinator.training.model import TinyGPT, init_params, param_shapes
+from coordinator.training.project import ModelSettings
+from coordinator.training.trainer import LocalBackend, Trainer
 from tests.procs import ENV, ROOT, free_port, start_volunteer, stop, tilehive
 from tests.volunteers import wait_until
 
@@ -273,8 +273,8 @@ async def test_a_failed_coordinator_loop_stops_training_instead_of_hanging(
 ):
     """If the loop that validates and commits dies, `tilehive coordinator` says so and exits 1
     (the run resumes from its last checkpoint), rather than serving on with nothing moving."""
-    from coordinator import host
-    from coordinator.engine import Coordinator
+    from coordinator.cli import serve as host
+    from coordinator.engine.coordinator import Coordinator
 
     async def broken_step(self, now: float) -> None:
         raise RuntimeError("the disk is on fire")

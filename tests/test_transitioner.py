@@ -7,8 +7,8 @@ import math
 
 import pytest
 
-from coordinator.transitioner import Transition, transition
-from coordinator.workunits import (
+from coordinator.rules.transitioner import Transition, transition
+from coordinator.work.records import (
     Outcome,
     Policy,
     Result,
@@ -420,8 +420,8 @@ def test_a_restored_work_unit_comes_due_at_its_transition_time():
     # A coordinator restarted before any deadline of a work unit passed must still time its
     # results out later: it once never did, and a volunteer that had skipped the expired
     # work was resent it (expired) over and over.
-    from coordinator.ledger import Ledger
-    from coordinator.store import Snapshot
+    from coordinator.state.ledger import Ledger
+    from coordinator.state.store import Snapshot
 
     wu = make_wu(transition_time=NOW + 30)
     ledger = Ledger(store=None)

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from coordinator.hosts import TrustConfig, after_error, after_invalid, after_valid, full_quota
-from coordinator.workunits import Host
+from coordinator.rules.trust import TrustConfig, after_error, after_invalid, after_valid, full_quota
+from coordinator.work.records import Host
 
 CONFIG = TrustConfig(quota_per_thread=4, quarantine_after=3)
 

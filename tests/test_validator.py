@@ -7,9 +7,10 @@ from dataclasses import dataclass
 
 import pytest
 
-from coordinator.scheduler import wants_tile
-from coordinator.transitioner import transition
-from coordinator.workunits import (
+from coordinator.rules.scheduler import wants_tile
+from coordinator.rules.transitioner import transition
+from coordinator.rules.validator import Decision, decide, quorum_group, tiles_to_check
+from coordinator.work.records import (
     Outcome,
     Policy,
     Result,
@@ -18,7 +19,6 @@ from coordinator.workunits import (
     WorkUnit,
     WuState,
 )
-from validation.validator import Decision, decide, quorum_group, tiles_to_check
 
 NOW = 2_000.0
 WU_ID = "wu-1"

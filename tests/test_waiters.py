@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 
-from coordinator.waiters import Waiters
+from coordinator.engine.waiters import Waiters
 from tests.volunteers import wait_until
 
 

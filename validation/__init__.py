@@ -1,1 +1,1 @@
-"""Deciding whether a volunteer's tile is right: Freivalds checks (and, later, quorums)."""
+"""The tile math of validation: the Freivalds check of a tile against its operands."""

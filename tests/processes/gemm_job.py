@@ -13,10 +13,10 @@ import sys
 
 import numpy as np
 
-from coordinator.api import serve
-from coordinator.engine import Coordinator, CoordinatorConfig
-from coordinator.queue import WorkQueue
-from coordinator.workunits import Policy, Redundancy
+from coordinator.engine.coordinator import Coordinator, CoordinatorConfig
+from coordinator.engine.products import WorkQueue
+from coordinator.server.api import serve
+from coordinator.work.records import Policy, Redundancy
 
 
 async def run(args: argparse.Namespace) -> None:

@@ -12,8 +12,8 @@ import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from coordinator.store import Event
-from coordinator.workunits import (
+from coordinator.work.events import Event
+from coordinator.work.records import (
     WU_DECIDED,
     Outcome,
     Result,

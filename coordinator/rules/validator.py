@@ -18,8 +18,8 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from coordinator.store import Event
-from coordinator.workunits import (
+from coordinator.work.events import Event
+from coordinator.work.records import (
     WU_DECIDED,
     Outcome,
     Policy,

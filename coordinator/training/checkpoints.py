@@ -9,9 +9,9 @@ from pathlib import Path
 
 import numpy as np
 
-from coordinator.blobstore import write_atomic
-from coordinator.model import Params
-from coordinator.optimizer import AdamState
+from coordinator.state.blobs import write_atomic
+from coordinator.training.model import Params
+from coordinator.training.optimizer import AdamState
 
 NAME = re.compile(r"step-(\d{6})\.npz")
 

@@ -6,10 +6,10 @@ import asyncio
 
 import numpy as np
 
-from coordinator import checkpoints
-from coordinator.model import TinyGPT, param_shapes, softmax_rows
-from coordinator.project import Project, ProjectError
-from coordinator.trainer import LocalBackend
+from coordinator.training import checkpoints
+from coordinator.training.model import TinyGPT, param_shapes, softmax_rows
+from coordinator.training.project import Project, ProjectError
+from coordinator.training.trainer import LocalBackend
 
 
 def generate(project: Project, prompt: str, length: int, temperature: float, seed: int) -> str:

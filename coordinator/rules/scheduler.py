@@ -20,10 +20,10 @@ import random
 import statistics
 from dataclasses import dataclass, field
 
-from coordinator.ledger import Ledger
-from coordinator.protocol import WorkRequest
-from coordinator.store import Event
-from coordinator.workunits import (
+from coordinator.state.ledger import Ledger
+from coordinator.work.events import Event
+from coordinator.work.protocol import WorkRequest
+from coordinator.work.records import (
     Host,
     Outcome,
     Policy,

@@ -16,7 +16,7 @@ from typing import Protocol
 
 import numpy as np
 
-from coordinator.project import ModelSettings
+from coordinator.training.project import ModelSettings
 
 VOCAB = 256  # bytes
 LN_EPS = 1e-5

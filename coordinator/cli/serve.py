@@ -12,13 +12,13 @@ import socket
 import sys
 from pathlib import Path
 
-from coordinator.access import AccessConfig
-from coordinator.api import serve
-from coordinator.engine import Coordinator, CoordinatorConfig, GemmFailed
-from coordinator.project import Project
-from coordinator.queue import WorkQueue
-from coordinator.scheduler import SchedulerConfig
-from coordinator.trainer import StepReport, Trainer, VolunteerBackend
+from coordinator.engine.coordinator import Coordinator, CoordinatorConfig, GemmFailed
+from coordinator.engine.products import WorkQueue
+from coordinator.rules.access import AccessConfig
+from coordinator.rules.scheduler import SchedulerConfig
+from coordinator.server.api import serve
+from coordinator.training.project import Project
+from coordinator.training.trainer import StepReport, Trainer, VolunteerBackend
 
 log = logging.getLogger(__name__)
 

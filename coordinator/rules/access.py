@@ -9,7 +9,7 @@ from collections import defaultdict, deque
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from coordinator.protocol import Forbidden, TooManyRequests, Unauthorized
+from coordinator.work.protocol import Forbidden, TooManyRequests, Unauthorized
 
 ADMIN_TOKEN_FILE = "admin.token"
 

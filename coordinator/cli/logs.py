@@ -216,7 +216,7 @@ class ProjectView:
 
 def training_progress(directory: Path) -> dict[str, Any]:
     """Step, loss and ETA from DIR/train.jsonl and project.toml."""
-    from coordinator.project import ProjectError, load
+    from coordinator.training.project import ProjectError, load
 
     try:
         steps = load(directory).training.steps

@@ -17,7 +17,7 @@ from pathlib import Path
 import click
 from tqdm import tqdm
 
-from coordinator import project as projects
+from coordinator.training import project as projects
 
 POLL = 0.5
 

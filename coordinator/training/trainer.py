@@ -17,13 +17,13 @@ from pathlib import Path
 import numpy as np
 
 import kernels
-from coordinator import checkpoints
-from coordinator.corpus import Corpus
-from coordinator.corpus import load as load_corpus
-from coordinator.model import Params, TinyGPT, init_params
-from coordinator.optimizer import AdamState, adamw_step, learning_rate
-from coordinator.project import Project
-from coordinator.queue import WorkQueue
+from coordinator.engine.products import WorkQueue
+from coordinator.training import checkpoints
+from coordinator.training.corpus import Corpus
+from coordinator.training.corpus import load as load_corpus
+from coordinator.training.model import Params, TinyGPT, init_params
+from coordinator.training.optimizer import AdamState, adamw_step, learning_rate
+from coordinator.training.project import Project
 
 log = logging.getLogger(__name__)
 

@@ -11,9 +11,15 @@ from collections.abc import Callable
 import numpy as np
 
 import kernels
-from coordinator.engine import Coordinator, GemmFailed, GemmOutput, new_result_id, redundancy_for
-from coordinator.store import Event
-from coordinator.workunits import (
+from coordinator.engine.coordinator import (
+    Coordinator,
+    GemmFailed,
+    GemmOutput,
+    new_result_id,
+    redundancy_for,
+)
+from coordinator.work.events import Event
+from coordinator.work.records import (
     Gemm,
     GemmState,
     Result,

@@ -13,7 +13,7 @@ import time
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from coordinator.engine import Coordinator
+    from coordinator.engine.coordinator import Coordinator
 
 REFRESH_MS = 2000
 PAGE = """<!doctype html>

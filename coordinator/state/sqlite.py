@@ -13,8 +13,9 @@ from typing import Any
 
 import aiosqlite
 
-from coordinator.store import Batch, Event, Snapshot, Store
-from coordinator.workunits import (
+from coordinator.state.store import Batch, Snapshot, Store
+from coordinator.work.events import Event
+from coordinator.work.records import (
     Gemm,
     GemmState,
     Host,
@@ -32,14 +33,14 @@ log = logging.getLogger(__name__)
 
 def load_queries() -> dict[str, str]:
     """The named blocks of queries.sql."""
-    text = resources.files("coordinator").joinpath("queries.sql").read_text()
+    text = resources.files("coordinator.state").joinpath("queries.sql").read_text()
     blocks = re.split(r"^-- name: (\w+)\s*$", text, flags=re.MULTILINE)
     return {name: sql.strip() for name, sql in zip(blocks[1::2], blocks[2::2], strict=True)}
 
 
 def migrations() -> list[tuple[int, str]]:
     """(version, script) for every file in migrations/, in order."""
-    folder = resources.files("coordinator").joinpath("migrations")
+    folder = resources.files("coordinator.state").joinpath("migrations")
     found = []
     for entry in folder.iterdir():
         match = re.fullmatch(r"(\d{4})_\w+\.sql", entry.name)

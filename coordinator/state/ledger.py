@@ -9,8 +9,9 @@ import math
 from collections import defaultdict
 from collections.abc import Callable
 
-from coordinator.store import Batch, Event, Reply, Snapshot, Store
-from coordinator.workunits import (
+from coordinator.state.store import Batch, Reply, Snapshot, Store
+from coordinator.work.events import Event
+from coordinator.work.records import (
     WU_TERMINAL,
     Gemm,
     GemmState,

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from coordinator.workunits import Policy, Redundancy
+from coordinator.work.records import Policy, Redundancy
 
 PROJECT_FILE = "project.toml"
 MODELS = ("tiny-gpt",)
@@ -294,7 +294,7 @@ def create(directory: Path | str, **overrides: Any) -> Project:
     parse(directory, text)  # the same checks as loading it later
     directory.mkdir(parents=True, exist_ok=True)
     path.write_text(text)
-    from coordinator.access import admin_token
+    from coordinator.rules.access import admin_token
 
     admin_token(directory)
     return project

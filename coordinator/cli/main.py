@@ -11,10 +11,10 @@ import click
 import numpy as np
 
 import kernels
-from coordinator.corpus import CorpusError
-from coordinator.project import MODELS, ProjectError
-from coordinator.project import create as create_project
-from coordinator.project import load as load_project
+from coordinator.training.corpus import CorpusError
+from coordinator.training.project import MODELS, ProjectError
+from coordinator.training.project import create as create_project
+from coordinator.training.project import load as load_project
 from kernels import reference
 from volunteer.cli import emulate, log_format_option, option, volunteer
 from volunteer.logsetup import configure as configure_logging
@@ -172,7 +172,7 @@ def coordinator_command(directory: Path, bind: str, keep_serving: bool, log_form
     """
     import asyncio
 
-    from coordinator.host import host_project
+    from coordinator.cli.serve import host_project
 
     host, port = _bind(bind)
     project = load_project(directory)
@@ -195,7 +195,7 @@ def train(directory: Path, local: bool, steps: int | None, threads: int) -> None
     """Train the project in one process: the reference a distributed run equals bit for bit."""
     import asyncio
 
-    from coordinator.trainer import LocalBackend, Trainer
+    from coordinator.training.trainer import LocalBackend, Trainer
 
     if not local:
         raise click.UsageError(
@@ -222,7 +222,7 @@ def train(directory: Path, local: bool, steps: int | None, threads: int) -> None
 @_fail_on_project_error
 def sample(directory: Path, prompt: str, length: int, temperature: float, seed: int) -> None:
     """Generate text from the project's latest checkpoint."""
-    from coordinator.sampling import generate
+    from coordinator.training.sampling import generate
 
     click.echo(generate(load_project(directory), prompt, length, temperature, seed))
 
@@ -241,7 +241,7 @@ def sample(directory: Path, prompt: str, length: int, temperature: float, seed: 
 @_fail_on_project_error
 def demo(volunteers: int, steps: int, directory: Path | None, keep: bool) -> None:
     """Train a small model with a coordinator and volunteers on this machine."""
-    from coordinator.demo import run_demo
+    from coordinator.cli.demo import run_demo
 
     run_demo(volunteers, steps, directory, keep)
 
@@ -256,7 +256,7 @@ def _clock(t: float | None) -> str:
 
 
 def _view(directory: Path):
-    from coordinator.inspect import InspectError, ProjectView
+    from coordinator.cli.logs import InspectError, ProjectView
 
     try:
         return ProjectView(directory)
@@ -265,7 +265,7 @@ def _view(directory: Path):
 
 
 def _since(value: str | None) -> float | None:
-    from coordinator.inspect import InspectError, parse_since
+    from coordinator.cli.logs import InspectError, parse_since
 
     try:
         return parse_since(value)
@@ -352,7 +352,7 @@ def logs_tasks(directory, step, state, host, since, follow, as_json, limit) -> N
             if as_json
             else (lambda e: click.echo(_event_line(e)))
         )
-        from coordinator.inspect import TASK_KINDS
+        from coordinator.cli.logs import TASK_KINDS
 
         filters = {"step": step, "state": state, "host": host, "since": None}
         _follow(view, TASK_KINDS, start, emit, filters)

@@ -13,9 +13,10 @@ from aiohttp import web
 from aiohttp.http_exceptions import HttpProcessingError
 from prometheus_client import CONTENT_TYPE_LATEST
 
-from coordinator import dashboard, protocol
-from coordinator.engine import Coordinator
-from coordinator.protocol import (
+from coordinator.engine.coordinator import Coordinator
+from coordinator.server import dashboard
+from coordinator.work import protocol
+from coordinator.work.protocol import (
     NotFound,
     ProtocolError,
     RequestTimeout,

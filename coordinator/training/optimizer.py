@@ -11,8 +11,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from coordinator.model import Params, decays
-from coordinator.project import OptimizerSettings
+from coordinator.training.model import Params, decays
+from coordinator.training.project import OptimizerSettings
 
 
 @dataclass

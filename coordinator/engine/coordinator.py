@@ -20,12 +20,18 @@ import numpy as np
 from blake3 import blake3
 
 import kernels
-from coordinator import hosts as trust
-from coordinator.access import Access, AccessConfig, admin_token
-from coordinator.blobstore import BlobStore
-from coordinator.ledger import Ledger
-from coordinator.metrics import Metrics
-from coordinator.protocol import (
+from coordinator.engine.metrics import Metrics
+from coordinator.engine.waiters import Waiters
+from coordinator.rules import trust, validator
+from coordinator.rules.access import Access, AccessConfig, admin_token
+from coordinator.rules.scheduler import Scheduler, SchedulerConfig
+from coordinator.rules.transitioner import transition
+from coordinator.state.blobs import BlobStore
+from coordinator.state.ledger import Ledger
+from coordinator.state.sqlite import SqliteStore
+from coordinator.state.store import Reply, Store
+from coordinator.work.events import Event
+from coordinator.work.protocol import (
     BadRequest,
     Forbidden,
     NotFound,
@@ -36,12 +42,7 @@ from coordinator.protocol import (
     WorkRequest,
     encode,
 )
-from coordinator.scheduler import Scheduler, SchedulerConfig
-from coordinator.store import Event, Reply, Store
-from coordinator.store_sqlite import SqliteStore
-from coordinator.transitioner import transition
-from coordinator.waiters import Waiters
-from coordinator.workunits import (
+from coordinator.work.records import (
     WU_DECIDED,
     Gemm,
     GemmState,
@@ -55,7 +56,7 @@ from coordinator.workunits import (
     WuError,
     WuState,
 )
-from validation import validator
+from validation import freivalds
 
 log = logging.getLogger(__name__)
 
@@ -791,7 +792,6 @@ class Coordinator:
     def _freivalds(
         self, wu: WorkUnit, a: np.ndarray, b: np.ndarray, c: np.ndarray
     ) -> validator.Check:
-        from validation import freivalds
 
         return freivalds.verify(
             np.ascontiguousarray(a),

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from coordinator.workunits import Host
+from coordinator.work.records import Host
 
 
 @dataclass(frozen=True, slots=True)

@@ -1,0 +1,1 @@
+"""The `tilehive` command line: the only place that builds concrete stores and servers."""

@@ -1,0 +1,1 @@
+"""Pure decisions: the transitioner, the scheduler, the validator, host trust, access limits."""
