@@ -30,9 +30,9 @@ import numpy as np  # noqa: E402
 from aiohttp import web  # noqa: E402
 
 from coordinator.engine.coordinator import Coordinator, CoordinatorConfig  # noqa: E402
-from coordinator.engine.products import WorkQueue  # noqa: E402
 from coordinator.rules.access import AccessConfig  # noqa: E402
 from coordinator.server.api import serve  # noqa: E402
+from coordinator.state.sqlite import SqliteStore  # noqa: E402
 from coordinator.work.records import Policy, WorkUnit, WuState  # noqa: E402
 
 
@@ -65,7 +65,7 @@ async def run(args: argparse.Namespace) -> dict:
         access=AccessConfig(registrations_per_hour=1_000_000, host_rate=1000.0, host_burst=2000.0),
         seed=0,
     )
-    coordinator = Coordinator(config)
+    coordinator = Coordinator(config, SqliteStore(config.directory / "state.db"))
     assimilated = count_assimilated(coordinator)
     work_seconds: list[float] = []  # server side, from the request's arrival to the reply
 
@@ -82,7 +82,7 @@ async def run(args: argparse.Namespace) -> dict:
     print(url, flush=True)
     rng = np.random.default_rng(0)
     size = args.tiles * args.tile
-    queue = WorkQueue(coordinator)
+    queue = coordinator.products
 
     async def products() -> None:
         step = 0

@@ -36,10 +36,10 @@ import numpy as np  # noqa: E402
 
 import kernels  # noqa: E402
 from coordinator.engine.coordinator import Coordinator, CoordinatorConfig  # noqa: E402
-from coordinator.engine.products import WorkQueue  # noqa: E402
 from coordinator.rules.access import AccessConfig  # noqa: E402
 from coordinator.rules.scheduler import SchedulerConfig  # noqa: E402
 from coordinator.server.api import serve  # noqa: E402
+from coordinator.state.sqlite import SqliteStore  # noqa: E402
 from coordinator.work.records import Policy  # noqa: E402
 
 OPEN_ACCESS = AccessConfig(registrations_per_hour=1_000_000, host_rate=1000.0, host_burst=2000.0)
@@ -118,7 +118,7 @@ async def run(args: argparse.Namespace) -> dict:
             access=OPEN_ACCESS,
             seed=0,
         )
-    coordinator = Coordinator(config)
+    coordinator = Coordinator(config, SqliteStore(config.directory / "state.db"))
     runner, url = await serve(coordinator, "127.0.0.1", args.port)
     try:
         print(url, flush=True)
@@ -136,7 +136,7 @@ async def run(args: argparse.Namespace) -> dict:
             lines = (directory / "train.jsonl").read_text().splitlines()
             per_product = [json.loads(line)["seconds"] for line in lines if line.strip()]
         else:
-            queue = WorkQueue(coordinator)
+            queue = coordinator.products
             outputs = {}
             with np.load(args.operands) as data:
                 count = sum(1 for name in data.files if name.startswith("a"))

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 import kernels
-from coordinator.engine.coordinator import GemmFailed
+from coordinator.engine.products import GemmFailed
 from coordinator.rules.access import AccessConfig
 from coordinator.work.protocol import NotFound
 from coordinator.work.records import Policy
@@ -123,11 +123,11 @@ async def test_a_cancel_while_the_last_tile_is_read_waits_for_that_pass_and_the_
                 [{"result_id": job["result_id"], "hash": output_hash, "tile": tile}]
             )
         await wait_until(reading.is_set)
-        cancel = asyncio.ensure_future(co.cancel_step(5, time.time()))
+        cancel = asyncio.ensure_future(co.operator.cancel_step(5, time.time()))
         release.set()
         (got,) = await asyncio.gather(product, return_exceptions=True)
         (counts,) = await asyncio.gather(cancel, return_exceptions=True)
-        assert not co._tasks[0].done(), "the coordinator's loop died"
+        assert not co.loop.done(), "the coordinator's loop died"
         states = [e.state for e in await co.store.events(kind="gemm")]
         # The pass that was reading finishes first (the cancel waits for it): the product is
         # done and there is nothing left to cancel. Never both, never a lost cancel.

@@ -10,8 +10,8 @@ import pytest
 
 import kernels
 from coordinator.engine.coordinator import Coordinator, CoordinatorConfig
-from coordinator.engine.products import WorkQueue
 from coordinator.server.api import serve
+from coordinator.state.sqlite import SqliteStore
 from coordinator.work.records import Policy, Redundancy
 from tests.conftest import bits, operands
 from tests.volunteers import Behaviour, ScriptedVolunteer, wait_until
@@ -25,10 +25,10 @@ async def running(tmp_path, **settings):
     settings.setdefault("no_work_delay", 0.05)
     settings.setdefault("long_poll", 0.2)
     config = CoordinatorConfig(directory=tmp_path / "project", **settings)
-    coordinator = Coordinator(config)
+    coordinator = Coordinator(config, SqliteStore(config.directory / "state.db"))
     runner, url = await serve(coordinator, "127.0.0.1", 0)
     try:
-        yield coordinator, WorkQueue(coordinator), url
+        yield coordinator, coordinator.products, url
     finally:
         await runner.cleanup()
 
@@ -174,7 +174,7 @@ async def test_a_waiting_work_request_gets_work_as_soon_as_it_is_published(tmp_p
     ):
         await client.register("eager")
         asking = asyncio.ensure_future(client.request_work("w1", capacity=1))
-        await wait_until(lambda: co._inflight)  # the request is waiting for work
+        await wait_until(lambda: co.requests._inflight)  # the request is waiting for work
         a, b = operands(rng, 16, 16, 8, False, False)
         product = asyncio.ensure_future(queue.matmul(a, b))
         reply = await asyncio.wait_for(asking, timeout=10)  # far less than the 30 s poll
@@ -216,7 +216,7 @@ async def test_replicas_nobody_needs_end_judged_or_dropped_when_their_product_is
             await clients[0].report([reports[0][last]])
             await clients[1].report([reports[1][last]])
             await wait_until(lambda: co.ledger.wus[last].canonical_hash is not None)
-            async with co._pass_lock:  # the next three reports land in one pass
+            async with co.passes.lock:  # the next three reports land in one pass
                 await clients[2].report([reports[2][last]])
                 await clients[0].report([reports[0][first]])
                 await clients[1].report([reports[1][first]])

@@ -19,9 +19,9 @@ from hypothesis import strategies as st
 
 import kernels
 from coordinator.engine.coordinator import Coordinator, CoordinatorConfig
-from coordinator.engine.products import WorkQueue
 from coordinator.rules.access import AccessConfig
 from coordinator.server.api import serve
+from coordinator.state.sqlite import SqliteStore
 from coordinator.work.records import Policy, Redundancy
 from tests.conftest import bits
 from tests.volunteers import Behaviour, ScriptedVolunteer, wait_until
@@ -100,8 +100,8 @@ class Server:
             # limits themselves are tested in test_access.py).
             access=AccessConfig(host_rate=1e6, host_burst=1e6, registrations_per_hour=10**6),
         )
-        self.co = Coordinator(config)
-        self.queue = WorkQueue(self.co)
+        self.co = Coordinator(config, SqliteStore(config.directory / "state.db"))
+        self.queue = self.co.products
         self.runner, self.url = await serve(self.co, "127.0.0.1", 0)
         self.port = int(self.url.rsplit(":", 1)[1])
         rng = np.random.default_rng(5)

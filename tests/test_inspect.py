@@ -151,8 +151,8 @@ async def test_metrics_parse_and_move_during_a_run(worked):
 @pytest.mark.skipif(shutil.which("chromium") is None, reason="Debian's chromium not installed")
 async def test_the_dashboard_renders_in_a_real_browser(worked, tmp_path):
     co, url, _, _, _ = worked
-    co.record_step(1, 3, 5.5, None, 0.5)
-    co.record_step(2, 3, 4.9, 4.8, 0.4)
+    co.progress.record_step(1, 3, 5.5, None, 0.5)
+    co.progress.record_step(2, 3, 4.9, 4.8, 0.4)
     ARTIFACTS.mkdir(exist_ok=True)
     shot = ARTIFACTS / "dashboard.png"
     common = [

@@ -274,12 +274,12 @@ async def test_a_failed_coordinator_loop_stops_training_instead_of_hanging(
     """If the loop that validates and commits dies, `tilehive coordinator` says so and exits 1
     (the run resumes from its last checkpoint), rather than serving on with nothing moving."""
     from coordinator.cli import serve as host
-    from coordinator.engine.coordinator import Coordinator
+    from coordinator.engine.passes import Passes
 
     async def broken_step(self, now: float) -> None:
         raise RuntimeError("the disk is on fire")
 
-    monkeypatch.setattr(Coordinator, "step", broken_step)
+    monkeypatch.setattr(Passes, "step", broken_step)
     project = projects.create(tmp_path / "p", **{**SMALL, "training.steps": 2})
     code = await asyncio.wait_for(host.host_project(project, "127.0.0.1", 0, False), 60)
     assert code == 1

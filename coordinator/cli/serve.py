@@ -12,15 +12,39 @@ import socket
 import sys
 from pathlib import Path
 
-from coordinator.engine.coordinator import Coordinator, CoordinatorConfig, GemmFailed
-from coordinator.engine.products import WorkQueue
+import numpy as np
+
+from coordinator.engine.config import CoordinatorConfig
+from coordinator.engine.coordinator import Coordinator
+from coordinator.engine.products import GemmFailed, Products
 from coordinator.rules.access import AccessConfig
 from coordinator.rules.scheduler import SchedulerConfig
 from coordinator.server.api import serve
+from coordinator.state.sqlite import SqliteStore
 from coordinator.training.project import Project
-from coordinator.training.trainer import StepReport, Trainer, VolunteerBackend
+from coordinator.training.trainer import StepReport, Trainer, batched_gemm
 
 log = logging.getLogger(__name__)
+
+
+class VolunteerBackend:
+    """Linear-layer products as work units for volunteers; attention locally."""
+
+    def __init__(self, products: Products) -> None:
+        self.products = products
+        self.step = 0
+
+    async def matmul(self, a, b, *, trans_a: bool, trans_b: bool, label: str) -> np.ndarray:
+        return await self.products.matmul(
+            np.ascontiguousarray(a, dtype=np.float32),
+            np.ascontiguousarray(b, dtype=np.float32),
+            trans_a=trans_a,
+            trans_b=trans_b,
+            step=self.step,
+            label=label,
+        )
+
+    batched = staticmethod(batched_gemm)
 
 
 def coordinator_config(project: Project) -> CoordinatorConfig:
@@ -72,7 +96,9 @@ def announce(text: str) -> None:
 
 async def host_project(project: Project, bind_host: str, port: int, keep_serving: bool) -> int:
     """Serve and train until the project's steps are done; returns the exit code."""
-    coordinator = Coordinator(coordinator_config(project))
+    coordinator = Coordinator(
+        coordinator_config(project), SqliteStore(project.directory / "state.db")
+    )
     runner, url = await serve(coordinator, bind_host, port)
     try:
         announce(
@@ -94,18 +120,20 @@ async def _train(coordinator: Coordinator, project: Project, url: str, keep_serv
     steps = project.training.steps
 
     def on_step(report: StepReport) -> None:
-        coordinator.record_step(report.step, steps, report.loss, report.val_loss, report.seconds)
+        coordinator.progress.record_step(
+            report.step, steps, report.loss, report.val_loss, report.seconds
+        )
         val = f" val_loss {report.val_loss:.4f}" if report.val_loss is not None else ""
         log.info(
             "step %d/%d loss %.4f%s (%.2fs)", report.step, steps, report.loss, val, report.seconds
         )
 
-    trainer = Trainer(project, VolunteerBackend(WorkQueue(coordinator)))
-    coordinator.history = read_history(trainer.metrics)
-    trainer.on_checkpoint = coordinator.prune
+    trainer = Trainer(project, VolunteerBackend(coordinator.products))
+    coordinator.progress.history = read_history(trainer.metrics)
+    trainer.on_checkpoint = coordinator.products.prune
     training = asyncio.create_task(trainer.run(on_step=on_step))
     stopper = asyncio.create_task(stop.wait())
-    passes = {coordinator.passes} if coordinator.passes is not None else set()
+    passes = {coordinator.loop} if coordinator.loop is not None else set()
     try:
         await asyncio.wait({training, stopper, *passes}, return_when=asyncio.FIRST_COMPLETED)
         if not training.done() and any(task.done() for task in passes):
@@ -130,7 +158,7 @@ async def _train(coordinator: Coordinator, project: Project, url: str, keep_serv
                 )
                 return 1
             log.info("training done: %d steps; checkpoints in %s", steps, project.checkpoints)
-            coordinator.training["done"] = True
+            coordinator.progress.training["done"] = True
             if keep_serving:
                 announce(f"training done; still serving {url} (Ctrl-C to stop)")
                 await stopper

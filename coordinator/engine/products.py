@@ -1,29 +1,36 @@
-"""The API the training loop uses: `await queue.matmul(a, b)` computed by volunteers."""
+"""Products: a GEMM's whole life, from `await products.matmul(a, b)` to its filled output.
+
+A product is published (operand panels as blobs, one work unit per output tile), its tiles
+are assimilated as the validator decides them, and it finishes, fails or is cancelled here.
+"""
 
 from __future__ import annotations
 
 import asyncio
 import functools
 import logging
+import secrets
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
 
 import numpy as np
 
 import kernels
-from coordinator.engine.coordinator import (
-    Coordinator,
-    GemmFailed,
-    GemmOutput,
-    new_result_id,
-    redundancy_for,
-)
+from coordinator.engine.config import CoordinatorConfig
+from coordinator.state.blobs import BlobStore
+from coordinator.state.ledger import Ledger
+from coordinator.state.store import Store
 from coordinator.work.events import Event
 from coordinator.work.records import (
+    WU_DECIDED,
     Gemm,
     GemmState,
+    Outcome,
     Result,
+    ServerState,
     WorkUnit,
+    WuError,
     WuState,
     gemm_id,
     tile_bounds,
@@ -36,6 +43,24 @@ log = logging.getLogger(__name__)
 STORAGE_RETRY_MAX = 30.0  # seconds between attempts to store operand panels, at most
 
 FILLED = (WuState.VALIDATED, WuState.ASSIMILATED)
+
+
+class GemmFailed(RuntimeError):
+    """A work unit of this GEMM failed for good; the message says which and why."""
+
+
+@dataclass(slots=True)
+class GemmOutput:
+    """An awaited product being filled tile by tile."""
+
+    gemm: Gemm | None  # None while its work is being published
+    out: np.ndarray
+    remaining: set[str]
+    done: asyncio.Future
+
+
+def new_result_id() -> str:
+    return secrets.token_hex(16)
 
 
 def panels(
@@ -53,7 +78,7 @@ def panels(
     return rows, cols
 
 
-class WorkQueue:
+class Products:
     """Cuts products into work units and returns exactly the kernel's bits for the whole.
 
     A product is named by its content (operands, flags, tile size, step, label), so calling
@@ -61,8 +86,22 @@ class WorkQueue:
     them; many matmul calls may be in flight at once.
     """
 
-    def __init__(self, coordinator: Coordinator) -> None:
-        self.coordinator = coordinator
+    def __init__(
+        self, config: CoordinatorConfig, ledger: Ledger, store: Store, blobs: BlobStore
+    ) -> None:
+        self.config = config
+        self.ledger = ledger
+        self.store = store
+        self.blobs = blobs
+        self.outputs: dict[str, GemmOutput] = {}
+        self.failed_here: set[str] = set()  # GEMMs that failed in this run: not retried
+        self.tiles: dict[str, np.ndarray] = {}  # tiles just checked, by hash: no second read
+        # Set by the Coordinator: judge a GEMM's late replicas before it leaves memory, and
+        # tell the passes that new work is out.
+        self.judge_late: Callable[[str, float], Awaitable[None]] | None = None
+        self.published: Callable[[], None] = lambda: None
+
+    # ---- the training loop's API ---------------------------------------------------------
 
     async def matmul(
         self,
@@ -76,8 +115,7 @@ class WorkQueue:
     ) -> np.ndarray:
         a, b, _ = check_gemm_args(a, b, trans_a, trans_b, None, 1)
         trans_a, trans_b = bool(trans_a), bool(trans_b)
-        co = self.coordinator
-        config = co.config
+        config = self.config
         m = a.shape[1] if trans_a else a.shape[0]
         n = b.shape[0] if trans_b else b.shape[1]
         k = a.shape[0] if trans_a else a.shape[1]
@@ -97,8 +135,8 @@ class WorkQueue:
             kernel_version=kernels.KERNEL_VERSION,
         )
         gid = await self._attempt(describe)
-        if gid in co.outputs:
-            result = await asyncio.shield(co.outputs[gid].done)
+        if gid in self.outputs:
+            result = await asyncio.shield(self.outputs[gid].done)
             return result.copy()
         # Registered before the first await, so a concurrent call with the same operands
         # waits for this one instead of publishing the work twice.
@@ -108,9 +146,9 @@ class WorkQueue:
             remaining=set(),
             done=asyncio.get_running_loop().create_future(),
         )
-        co.outputs[gid] = output
+        self.outputs[gid] = output
         try:
-            gemm = co.ledger.gemms.get(gid) or await co.store.gemm(gid)
+            gemm = self.ledger.gemms.get(gid) or await self.store.gemm(gid)
             now = time.time()
             if gemm is None:
                 gemm = Gemm(
@@ -136,11 +174,11 @@ class WorkQueue:
                     f"GEMM {gid[:12]} of step {step} was pruned after a later checkpoint; "
                     "resume from that checkpoint"
                 )
-            elif gid not in co.ledger.gemms:
+            elif gid not in self.ledger.gemms:
                 # Finished before a restart: the tiles are committed blobs.
-                wus, _ = await co.store.gemm_work(gid)
+                wus, _ = await self.store.gemm_work(gid)
                 await asyncio.to_thread(self._fill, output.out, wus)
-                del co.outputs[gid]
+                del self.outputs[gid]
                 output.done.set_result(output.out)
                 return output.out
             output.gemm = gemm
@@ -150,23 +188,22 @@ class WorkQueue:
             copied: set[str] = set()
             while todo := [
                 wu
-                for wu in co.ledger.workunits_for(gid)
+                for wu in self.ledger.workunits_for(gid)
                 if wu.state in FILLED and wu.id not in copied
             ]:
                 await asyncio.to_thread(self._fill, output.out, todo)
                 copied.update(wu.id for wu in todo)
-            output.remaining = {wu.id for wu in co.ledger.workunits_for(gid)} - copied
+            output.remaining = {wu.id for wu in self.ledger.workunits_for(gid)} - copied
         except BaseException as exc:
-            co.outputs.pop(gid, None)
+            self.outputs.pop(gid, None)
             if not output.done.done():
                 output.done.set_exception(exc)
                 output.done.exception()  # retrieved: the caller gets it raised below
             raise
         if not output.remaining:
-            await co.finish_gemm(output, now)
-        co.wake()
-        result = await asyncio.shield(output.done)
-        return result
+            await self.finish(output, now)
+        self.published()
+        return await asyncio.shield(output.done)
 
     async def _attempt(self, describe: Callable[..., str]) -> str:
         """The id of this product's current attempt.
@@ -174,13 +211,12 @@ class WorkQueue:
         A product that failed (or whose step was cancelled) in an earlier run of the
         coordinator is run again as a new GEMM; one that failed in this run stays failed, so
         its caller hears why instead of the work starting over behind its back."""
-        co = self.coordinator
         attempt = 0
         while True:
             gid = describe(attempt=attempt)
-            if gid in co.outputs or gid in co.failed_here:
+            if gid in self.outputs or gid in self.failed_here:
                 return gid
-            gemm = co.ledger.gemms.get(gid) or await co.store.gemm(gid)
+            gemm = self.ledger.gemms.get(gid) or await self.store.gemm(gid)
             if gemm is None or gemm.state is not GemmState.FAILED:
                 return gid
             attempt += 1
@@ -193,19 +229,17 @@ class WorkQueue:
 
     def _fill(self, out: np.ndarray, wus: list[WorkUnit]) -> None:
         for wu in wus:
-            out[wu.i0 : wu.i1, wu.j0 : wu.j1] = self.coordinator.blobs.get_array(wu.canonical_hash)
+            out[wu.i0 : wu.i1, wu.j0 : wu.j1] = self.blobs.get_array(wu.canonical_hash)
 
     async def _publish(self, gemm: Gemm, a: np.ndarray, b: np.ndarray) -> None:
         """Store the operand panels as blobs, then commit the GEMM and its work units."""
-        co = self.coordinator
-        config = co.config
         rows, cols = panels(a, b, gemm.trans_a, gemm.trans_b, gemm.tile, gemm.m, gemm.n)
 
         def store_panels() -> tuple[list[str], list[str]]:
             encoded = [kernels.encode_array(p) for p in (*rows, *cols)]
-            ids = co.blobs.put_many([(data, None) for data in encoded], serve=True)
+            ids = self.blobs.put_many([(data, None) for data in encoded], serve=True)
             for panel_id, data in zip(ids, encoded, strict=True):
-                co.ledger.panel_bytes[panel_id] = len(data)
+                self.ledger.panel_bytes[panel_id] = len(data)
             return ids[: len(rows)], ids[len(rows) :]
 
         delay = 1.0
@@ -218,35 +252,152 @@ class WorkQueue:
                 # goes on by itself once the operator has fixed the disk.
                 log.error(
                     "blob store %s cannot be written (%s): step %d waits; retrying in %.0f s",
-                    co.blobs.root,
+                    self.blobs.root,
                     exc,
                     gemm.step,
                     delay,
                 )
                 await asyncio.sleep(delay)
                 delay = min(2 * delay, STORAGE_RETRY_MAX)
-        red = redundancy_for(config.policy, config.redundancy)
-        co.ledger.put_gemm(gemm)
-        now = gemm.created
+        red = self.config.redundancy.for_policy(self.config.policy)
+        self.ledger.put_gemm(gemm)
         for bounds in tile_bounds(gemm.m, gemm.n, gemm.tile):
             a_panel = row_ids[bounds[0] // gemm.tile]
             b_panel = col_ids[bounds[2] // gemm.tile]
             wu = tile_workunit(gemm, bounds, a_panel, b_panel, red, kernels.KERNEL_VERSION)
-            co.ledger.put_wu(wu)
+            self.ledger.put_wu(wu)
             for _ in range(red.target_nresults):
-                co.ledger.put_result(Result(id=new_result_id(), wu_id=wu.id))
-        co.ledger.log(
+                self.ledger.put_result(Result(id=new_result_id(), wu_id=wu.id))
+        tiles = len(self.ledger.wus_of[gemm.id])
+        self.ledger.log(
             [
                 Event(
-                    now,
+                    gemm.created,
                     "gemm",
                     "created",
                     f"{gemm.label or 'gemm'} {gemm.m}x{gemm.n}x{gemm.k} "
                     f"(trans_a={gemm.trans_a}, trans_b={gemm.trans_b}) in "
-                    f"{len(co.ledger.wus_of[gemm.id])} tiles of {gemm.tile}",
+                    f"{tiles} tiles of {gemm.tile}",
                     gemm.step,
                     gemm.id,
                 )
             ]
         )
-        await co.ledger.flush()
+        await self.ledger.flush()
+
+    # ---- tiles in, products out ----------------------------------------------------------
+
+    async def assimilate(self, wu: WorkUnit, now: float) -> None:
+        """Copy a validated tile into its product's output; finish the product at the last."""
+        output = self.outputs.get(wu.gemm_id)
+        if output is None or wu.id not in output.remaining:
+            return
+        tile = self.tiles.get(wu.canonical_hash)
+        if tile is None:
+            tile = await asyncio.to_thread(self.blobs.get_array, wu.canonical_hash)
+        output.out[wu.i0 : wu.i1, wu.j0 : wu.j1] = tile
+        output.remaining.discard(wu.id)
+        if wu.state is not WuState.ASSIMILATED:
+            self.ledger.put_wu(wu.evolve(state=WuState.ASSIMILATED))
+            where = f"tile [{wu.i0}:{wu.i1}, {wu.j0}:{wu.j1}] written"
+            self.ledger.log([Event.about(wu, now, "assimilated", where)])
+        if not output.remaining:
+            await self.finish(output, now)
+
+    async def finish(self, output: GemmOutput, now: float) -> None:
+        current = self.ledger.gemms.get(output.gemm.id)
+        if self.outputs.get(output.gemm.id) is not output or (
+            current is not None and current.state is not GemmState.ACTIVE
+        ):
+            return  # failed or cancelled while its last tile was being read: it stays so
+        if self.judge_late is not None:
+            await self.judge_late(output.gemm.id, now)
+        gemm = output.gemm.evolve(state=GemmState.DONE)
+        self.ledger.put_gemm(gemm)
+        what = f"{gemm.label or 'gemm'} {gemm.m}x{gemm.n}x{gemm.k} complete"
+        self.ledger.log([Event(now, "gemm", "done", what, gemm.step, gemm.id)])
+        # Forgotten before the commit, with no await since the late replicas were judged: a
+        # report that arrives while the commit runs finds the GEMM gone and is answered
+        # "late", rather than applied to records that are about to leave memory unjudged.
+        self.outputs.pop(gemm.id, None)
+        self.ledger.forget_gemm(gemm.id)
+        await self.ledger.flush()
+        if not output.done.done():
+            output.done.set_result(output.out)
+
+    def fail(self, wu: WorkUnit, reason: str, now: float) -> None:
+        """A work unit failed for good: its GEMM fails, and so does whoever awaits it."""
+        gemm = self.ledger.gemms.get(wu.gemm_id)
+        if gemm is None or gemm.state is not GemmState.ACTIVE:
+            return
+        message = (
+            f"GEMM {gemm.label or gemm.id[:12]} of step {gemm.step} failed: work unit "
+            f"{wu.id[:12]} [{wu.i0}:{wu.i1}, {wu.j0}:{wu.j1}]: {reason}"
+        )
+        log.error(message)
+        self.ledger.log([Event(now, "gemm", "failed", message, gemm.step, gemm.id, wu.id)])
+        self.mark_failed(gemm, message)
+
+    def mark_failed(self, gemm: Gemm, message: str) -> None:
+        """The GEMM ends failed; whoever awaits it gets GemmFailed with `message`."""
+        self.ledger.put_gemm(gemm.evolve(state=GemmState.FAILED, error=message))
+        self.failed_here.add(gemm.id)
+        output = self.outputs.pop(gemm.id, None)
+        if output is not None and not output.done.done():
+            output.done.set_exception(GemmFailed(message))
+
+    def end_replicas(self, wu: WorkUnit, message: str, now: float) -> int:
+        """Unsent results become didnt_need, those in progress aborted (their hosts are told
+        in their next work reply); returns how many were aborted."""
+        aborted = 0
+        for r in self.ledger.results_for(wu.id):
+            if r.server_state is ServerState.UNSENT:
+                outcome = Outcome.DIDNT_NEED
+            elif r.server_state is ServerState.IN_PROGRESS:
+                outcome = Outcome.ABORTED
+                aborted += 1
+            else:
+                continue
+            self.ledger.put_result(r.evolve(server_state=ServerState.OVER, outcome=outcome))
+            self.ledger.log([Event.about(wu, now, outcome.value, message, r)])
+        return aborted
+
+    def cancel_step(self, step: int, now: float) -> dict[str, int] | None:
+        """Drop every unfinished product of `step`; None when it has none."""
+        gemms = [
+            g for g in self.ledger.gemms.values() if g.step == step and g.state is GemmState.ACTIVE
+        ]
+        if not gemms:
+            return None
+        message = f"step {step} cancelled by the operator"
+        counts = {"gemms": len(gemms), "workunits": 0, "aborted": 0}
+        for gemm in gemms:
+            for wu in self.ledger.workunits_for(gemm.id):
+                if wu.state in WU_DECIDED:
+                    continue
+                counts["workunits"] += 1
+                counts["aborted"] += self.end_replicas(wu, message, now)
+                mask = wu.error_mask | WuError.CANCELLED
+                self.ledger.put_wu(wu.evolve(state=WuState.ERROR, error_mask=mask))
+                self.ledger.log([Event.about(wu, now, "cancelled", message)])
+            self.ledger.log([Event(now, "gemm", "cancelled", message, gemm.step, gemm.id)])
+            self.mark_failed(gemm, message)
+        log.warning(
+            "%s: %d products, %d work units dropped, %d results in progress aborted",
+            message,
+            *counts.values(),
+        )
+        return counts
+
+    async def prune(self, through_step: int) -> int:
+        """Delete the blobs of GEMMs a checkpoint made useless; returns how many."""
+        await self.ledger.flush()
+        blobs = await self.store.prunable_blobs(through_step)
+
+        def delete() -> None:
+            for blob in blobs:
+                self.blobs.delete(blob)
+                self.ledger.panel_bytes.pop(blob, None)
+
+        await asyncio.to_thread(delete)
+        return len(blobs)

@@ -9,9 +9,16 @@ from collections import defaultdict, deque
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from blake3 import blake3
+
 from coordinator.work.protocol import Forbidden, TooManyRequests, Unauthorized
 
 ADMIN_TOKEN_FILE = "admin.token"
+
+
+def token_hash(token: str) -> str:
+    """What the store keeps of a host's token: its blake3 hash, never the token itself."""
+    return blake3(token.encode()).hexdigest()
 
 
 def admin_token(directory: Path) -> str:

@@ -126,31 +126,31 @@ def bearer(request: web.Request) -> str | None:
 async def register(request: web.Request) -> web.Response:
     co = request.app[COORDINATOR]
     message = protocol.parse_register(await read_body(request, MAX_REGISTER_BYTES))
-    host, token = await co.register(message, time.time(), request.remote or "?")
+    host, token = await co.hosts.register(message, time.time(), request.remote or "?")
     log.info("registered host %d %r from %s", host.id, host.name, request.remote)
     return msgpack_response({"host_id": host.id, "token": token, "protocol": protocol.VERSION})
 
 
 async def request_work(request: web.Request) -> web.Response:
     co = request.app[COORDINATOR]
-    host = co.authenticate(bearer(request))
+    host = co.hosts.authenticate(bearer(request))
     co.access.check_rate(host.id, time.monotonic())
     message = protocol.parse_work_request(await read_body(request, co.config.max_request_bytes))
-    body = await co.request_work(host, message, time.time())
+    body = await co.requests.request_work(host, message, time.time())
     return web.Response(body=body, content_type=protocol.CONTENT_TYPE)
 
 
 async def report(request: web.Request) -> web.Response:
     co = request.app[COORDINATOR]
-    host = co.authenticate(bearer(request))
+    host = co.hosts.authenticate(bearer(request))
     co.access.check_rate(host.id, time.monotonic())
     message = protocol.parse_report(await read_body(request, co.config.max_report_bytes))
-    return msgpack_response(await co.report(host, message, time.time()))
+    return msgpack_response(await co.reports.report(host, message, time.time()))
 
 
 async def blob(request: web.Request) -> web.StreamResponse:
     co = request.app[COORDINATOR]
-    host = co.authenticate(bearer(request))
+    host = co.hosts.authenticate(bearer(request))
     co.access.check_rate(host.id, time.monotonic())
     blob_id = request.match_info["blob_id"]
     if not is_blob_id(blob_id):
@@ -168,7 +168,7 @@ async def blob(request: web.Request) -> web.StreamResponse:
 
 async def status(request: web.Request) -> web.Response:
     co = request.app[COORDINATOR]
-    return web.json_response(await co.full_status())
+    return web.json_response(await co.progress.full_status())
 
 
 async def metrics(request: web.Request) -> web.Response:
@@ -186,7 +186,7 @@ async def dashboard_page(request: web.Request) -> web.Response:
 async def admin_pause(request: web.Request) -> web.Response:
     co = request.app[COORDINATOR]
     co.access.check_admin(bearer(request))
-    await co.set_paused(request.match_info["action"] == "pause", time.time())
+    await co.operator.set_paused(request.match_info["action"] == "pause", time.time())
     return msgpack_response({"paused": co.paused})
 
 
@@ -198,7 +198,7 @@ async def admin_host(request: web.Request) -> web.Response:
     except ValueError as exc:
         raise protocol.BadRequest("host id must be an integer") from exc
     action = request.match_info["action"]
-    host = await co.set_quarantined(host_id, action == "quarantine", time.time())
+    host = await co.operator.set_quarantined(host_id, action == "quarantine", time.time())
     return msgpack_response({"host_id": host.id, "quarantined": host.quarantined})
 
 
@@ -209,7 +209,7 @@ async def admin_cancel_step(request: web.Request) -> web.Response:
         step = int(request.match_info["step"])
     except ValueError as exc:
         raise protocol.BadRequest("step must be an integer") from exc
-    counts = await co.cancel_step(step, time.time())
+    counts = await co.operator.cancel_step(step, time.time())
     return msgpack_response({"step": step, **counts})
 
 

@@ -94,7 +94,7 @@ def _duration(seconds: float | None) -> str:
 
 
 async def render(co: Coordinator, fragment: bool = False) -> str:
-    status = co.status()
+    status = co.progress.status()
     training = status.get("training") or {}
     e = html.escape
     step = training.get("step", 0)
@@ -108,9 +108,9 @@ async def render(co: Coordinator, fragment: bool = False) -> str:
         f"{status['hosts_quarantined']} quarantined</span>",
         f"<span>{status['invalid']} invalid results</span>",
     ]
-    loss = [(h["step"], h["loss"]) for h in co.history]
-    val = [(h["step"], h["val_loss"]) for h in co.history if h.get("val_loss") is not None]
-    samples = list(co.rates)
+    loss = [(h["step"], h["loss"]) for h in co.progress.history]
+    val = [(h["step"], h["val_loss"]) for h in co.progress.history if h.get("val_loss") is not None]
+    samples = list(co.progress.rates)
     rates = [
         (t1 - samples[0][0], (n1 - n0) / (t1 - t0))
         for (t0, n0), (t1, n1) in itertools.pairwise(samples)

@@ -58,7 +58,18 @@ INSERT OR REPLACE INTO work_replies (host_id, request_id, time, body)
 VALUES (:host_id, :request_id, :time, :body);
 
 -- name: prune_replies
-DELETE FROM work_replies WHERE time < :before;
+-- Older than :before, or past each host's :keep newest.
+DELETE FROM work_replies
+WHERE time < :before
+   OR rowid IN (
+       SELECT rowid FROM (
+           SELECT rowid, row_number() OVER (PARTITION BY host_id ORDER BY time DESC) AS age
+           FROM work_replies
+       ) WHERE age > :keep
+   );
+
+-- name: count_replies
+SELECT count(*) FROM work_replies;
 
 -- name: select_reply
 SELECT body FROM work_replies WHERE host_id = :host_id AND request_id = :request_id;

@@ -215,8 +215,11 @@ class SqliteStore(Store):
         rows = await self._all("select_reply", host_id=host_id, request_id=request_id)
         return bytes(rows[0]["body"]) if rows else None
 
-    async def prune_replies(self, before: float) -> None:
-        await self.db.execute(self._sql["prune_replies"], {"before": before})
+    async def prune_replies(self, before: float, keep: int) -> None:
+        await self.db.execute(self._sql["prune_replies"], {"before": before, "keep": keep})
+
+    async def reply_count(self) -> int:
+        return (await self._all("count_replies"))[0][0]
 
     async def events(
         self,

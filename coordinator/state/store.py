@@ -89,7 +89,12 @@ class Store(abc.ABC):
         """The stored answer to a work request, if this host sent it before."""
 
     @abc.abstractmethod
-    async def prune_replies(self, before: float) -> None: ...
+    async def prune_replies(self, before: float, keep: int) -> None:
+        """Forget replies stored before `before`, and all but each host's `keep` newest."""
+
+    @abc.abstractmethod
+    async def reply_count(self) -> int:
+        """How many work replies are stored."""
 
     @abc.abstractmethod
     async def events(

@@ -17,7 +17,6 @@ from pathlib import Path
 import numpy as np
 
 import kernels
-from coordinator.engine.products import WorkQueue
 from coordinator.training import checkpoints
 from coordinator.training.corpus import Corpus
 from coordinator.training.corpus import load as load_corpus
@@ -59,26 +58,6 @@ class LocalBackend:
             trans_a=trans_a,
             trans_b=trans_b,
             threads=self.threads,
-        )
-
-    batched = staticmethod(batched_gemm)
-
-
-class VolunteerBackend:
-    """Linear-layer products as work units for volunteers; attention locally."""
-
-    def __init__(self, queue: WorkQueue) -> None:
-        self.queue = queue
-        self.step = 0
-
-    async def matmul(self, a, b, *, trans_a: bool, trans_b: bool, label: str) -> np.ndarray:
-        return await self.queue.matmul(
-            np.ascontiguousarray(a, dtype=np.float32),
-            np.ascontiguousarray(b, dtype=np.float32),
-            trans_a=trans_a,
-            trans_b=trans_b,
-            step=self.step,
-            label=label,
         )
 
     batched = staticmethod(batched_gemm)

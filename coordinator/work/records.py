@@ -86,6 +86,14 @@ class Redundancy:
     max_total_results: int = 24  # every result, timeouts and hand-backs included
     delay_bound: float = 60.0
 
+    def for_policy(self, policy: Policy) -> Redundancy:
+        """Freivalds alone needs one replica; the quorum policies need min_quorum of them."""
+        if policy is Policy.FREIVALDS:
+            return Redundancy(
+                1, 1, self.max_error_results, self.max_total_results, self.delay_bound
+            )
+        return self
+
 
 @dataclass(frozen=True, slots=True)
 class Gemm:

@@ -10,12 +10,13 @@ import argparse
 import asyncio
 import os
 import sys
+from pathlib import Path
 
 import numpy as np
 
 from coordinator.engine.coordinator import Coordinator, CoordinatorConfig
-from coordinator.engine.products import WorkQueue
 from coordinator.server.api import serve
+from coordinator.state.sqlite import SqliteStore
 from coordinator.work.records import Policy, Redundancy
 
 
@@ -28,11 +29,12 @@ async def run(args: argparse.Namespace) -> None:
             redundancy=Redundancy(delay_bound=args.delay_bound),
             no_work_delay=0.2,
             blob_memory_bytes=args.blob_memory,
-        )
+        ),
+        SqliteStore(Path(args.directory) / "state.db"),
     )
     runner, url = await serve(coordinator, "127.0.0.1", args.port)
     print(url, flush=True)
-    queue = WorkQueue(coordinator)
+    queue = coordinator.products
     data = np.load(args.operands)
     count = len([name for name in data.files if name.startswith("a")])
     products = await asyncio.gather(

@@ -1,0 +1,58 @@
+"""Every setting of a coordinator, and the project's secret key for the Freivalds check."""
+
+from __future__ import annotations
+
+import os
+import secrets
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from coordinator.rules import trust
+from coordinator.rules.access import AccessConfig
+from coordinator.rules.scheduler import SchedulerConfig
+from coordinator.work.records import Policy, Redundancy
+
+
+@dataclass(frozen=True, slots=True)
+class CoordinatorConfig:
+    """Every setting of a coordinator; project.toml and the command line map onto these."""
+
+    directory: Path
+    policy: Policy = Policy.QUORUM
+    redundancy: Redundancy = field(default_factory=Redundancy)
+    tile: int = 128
+    freivalds_rounds: int = 8
+    tail_fraction: float = 0.9  # share of a GEMM's tiles done before spares are issued
+    max_blob_bytes: int = 64 << 20
+    blob_memory_bytes: int = 64 << 20  # recent blobs served from memory, not from disk
+    max_report_bytes: int = 96 << 20
+    max_request_bytes: int = 1 << 20
+    # Stored work replies (for retried requests) are kept this many seconds, and at most
+    # `replies_per_host` of them per host; older ones are pruned as the project runs.
+    reply_ttl: float = 3600.0
+    replies_per_host: int = 64
+    long_poll: float = 2.0  # seconds a work request may wait for work to appear
+    no_work_delay: float = 1.0  # seconds a host is asked to wait when there is no work
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    trust: trust.TrustConfig = field(default_factory=trust.TrustConfig)
+    seed: int | None = None  # scheduler randomness (adaptive replication); None: from the OS
+    access: AccessConfig = field(default_factory=AccessConfig)
+    body_timeout: float = 60.0  # seconds a client may take to send a request body
+    # Seconds a connection may go without a complete request line and headers, from its
+    # start or the end of the previous reply (slowloris); it is also the idle keep-alive.
+    header_timeout: float = 20.0
+
+
+def load_secret(directory: Path) -> bytes:
+    """The verifier's Freivalds key: 32 random bytes in DIR/secret.key, readable only by us."""
+    path = directory / "secret.key"
+    if not path.exists():
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        with os.fdopen(fd, "wb") as f:
+            f.write(secrets.token_bytes(32))
+            f.flush()
+            os.fsync(f.fileno())
+    key = path.read_bytes()
+    if len(key) != 32:
+        raise RuntimeError(f"{path} must hold 32 bytes; delete it to make a new key")
+    return key

@@ -1,0 +1,57 @@
+"""What the project's operator may do to a running coordinator: pause, quarantine, cancel."""
+
+from __future__ import annotations
+
+from coordinator.engine.passes import Passes
+from coordinator.engine.products import Products
+from coordinator.engine.requests import WorkRequests
+from coordinator.state.ledger import Ledger
+from coordinator.work.events import Event
+from coordinator.work.protocol import NotFound
+from coordinator.work.records import Host
+
+
+class Operator:
+    def __init__(
+        self, ledger: Ledger, requests: WorkRequests, passes: Passes, products: Products
+    ) -> None:
+        self.ledger = ledger
+        self.requests = requests
+        self.passes = passes
+        self.products = products
+
+    async def set_paused(self, paused: bool, now: float) -> None:
+        """Hand out no new work (results in progress are still accepted), or resume."""
+        self.requests.paused = paused
+        state = "paused" if paused else "resumed"
+        self.ledger.log([Event(now, "project", state, f"project {state} by the operator")])
+        await self.ledger.flush()
+        if not paused:
+            self.requests.signal_work()
+
+    async def set_quarantined(self, host_id: int, quarantined: bool, now: float) -> Host:
+        host = self.ledger.hosts.get(host_id)
+        if host is None:
+            raise NotFound(f"no host {host_id}")
+        changed = host.evolve(quarantined=quarantined)
+        if not quarantined:
+            # A released host starts over: no trust, a small quota, and a clean invalid count.
+            changed = changed.evolve(invalid_count=0, consecutive_valid=0, max_in_progress=1)
+        self.ledger.put_host(changed)
+        state = "quarantined" if quarantined else "released"
+        self.ledger.log(
+            [Event(now, "host", state, f"host {host_id} {state} by the operator", host_id=host_id)]
+        )
+        await self.ledger.flush()
+        return changed
+
+    async def cancel_step(self, step: int, now: float) -> dict[str, int]:
+        """Stop every product of `step` still being computed: its unsent work is dropped, the
+        volunteers holding its work are told to abort it, and whoever waits for a product
+        (the training loop) gets GemmFailed. A restarted coordinator runs the step again."""
+        async with self.passes.lock:
+            counts = self.products.cancel_step(step, now)
+            if counts is None:
+                raise NotFound(f"step {step} has no products being computed")
+            await self.ledger.flush()
+            return counts

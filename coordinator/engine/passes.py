@@ -1,0 +1,261 @@
+"""The background passes: validate what arrived, move due work units on, assimilate, commit.
+
+BOINC runs these as separate daemons that hand off by flags on the rows; here they are one
+loop over the ledger's hand-off sets (`to_validate`, `touched`, the due heap), one pass at a
+time, so an operator's cancel never lands between a look at a work unit and its change."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import json
+import logging
+import time
+
+import numpy as np
+
+from coordinator.engine.config import CoordinatorConfig
+from coordinator.engine.metrics import Metrics
+from coordinator.engine.products import Products, new_result_id
+from coordinator.engine.reports import quarantine_event
+from coordinator.rules import trust, validator
+from coordinator.rules.transitioner import transition
+from coordinator.state.blobs import BlobStore
+from coordinator.state.ledger import Ledger
+from coordinator.work.events import Event
+from coordinator.work.records import (
+    WU_DECIDED,
+    Outcome,
+    Policy,
+    Result,
+    ServerState,
+    WorkUnit,
+    WuState,
+)
+from validation import freivalds
+
+log = logging.getLogger(__name__)
+
+
+class Passes:
+    """One pass at a time over the work that changed: validator, transitioner, assimilator."""
+
+    def __init__(
+        self,
+        config: CoordinatorConfig,
+        ledger: Ledger,
+        blobs: BlobStore,
+        products: Products,
+        key: bytes,
+        metrics: Metrics,
+        stats: dict,
+    ) -> None:
+        self.config = config
+        self.ledger = ledger
+        self.blobs = blobs
+        self.products = products
+        self.key = key
+        self.metrics = metrics
+        self.stats = stats
+        self.to_validate: set[str] = set()  # work units with a new success
+        self.lock = asyncio.Lock()  # one pass or one operator's cancel at a time
+        self._checks: dict[str, validator.Check] = {}
+        self._wake = asyncio.Event()
+        self.after_pass = lambda now: None  # the Coordinator's bookkeeping (tile rates)
+
+    def wake(self) -> None:
+        self._wake.set()
+
+    def arrived(self, wu_id: str) -> None:
+        """A report brought a success for this work unit: validate it in the next pass."""
+        self.to_validate.add(wu_id)
+
+    async def run(self) -> None:
+        """Pass after pass until cancelled; a pass that fails ends the loop (and training)."""
+        while True:
+            try:
+                await self.step(time.time())
+            except asyncio.CancelledError:
+                raise
+            except Exception:
+                log.exception("coordinator loop failed; stopping")
+                raise
+            delay = min(self.ledger.next_due() - time.time(), 1.0)
+            if self._wake.is_set() or self.ledger.touched or self.to_validate:
+                delay = 0
+            self._wake.clear()
+            if delay > 0:
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self._wake.wait(), timeout=delay)
+            else:
+                await asyncio.sleep(0)
+
+    async def step(self, now: float) -> None:
+        """One pass: validate what arrived, move due work units on, assimilate, commit."""
+        # A pass awaits (Freivalds, reading tiles, commits) between looking at a work unit
+        # and changing it; an operator's cancel must not land in between.
+        async with self.lock:
+            await self._step(now)
+
+    async def _step(self, now: float) -> None:
+        to_validate, self.to_validate = self.to_validate, set()
+        try:
+            await self._check_tiles(sorted(to_validate))
+            for wu_id in sorted(to_validate):
+                await self.validate(wu_id, now)
+        finally:
+            self.products.tiles.clear()
+        for wu_id in sorted(self.ledger.pop_due(now)):
+            self._transition(wu_id, now)
+        self._accelerate_tails(now)
+        self.after_pass(now)
+        await self.ledger.flush()
+
+    def _transition(self, wu_id: str, now: float) -> None:
+        wu = self.ledger.wus[wu_id]
+        if wu.state in (WuState.ASSIMILATED, WuState.ERROR) and not any(
+            r.server_state is ServerState.UNSENT for r in self.ledger.results_for(wu_id)
+        ):
+            return
+        change = transition(wu, self.ledger.results_for(wu_id), now, new_result_id)
+        for result in change.results:
+            if result.outcome is Outcome.NO_REPLY and result.host_id in self.ledger.hosts:
+                host = self.ledger.hosts[result.host_id]
+                self.ledger.put_host(trust.after_error(host, self.config.trust))
+        for result in change.results:
+            self.ledger.put_result(result)
+        if change.wu != wu:
+            self.ledger.put_wu(change.wu)
+        self.ledger.log(change.events)
+        if change.failed:
+            self.products.fail(change.wu, change.failed, now)
+
+    async def validate(self, wu_id: str, now: float) -> None:
+        wu = self.ledger.wus.get(wu_id)
+        if wu is None:
+            return
+        results = self.ledger.results_for(wu_id)
+        for result in validator.tiles_to_check(wu, results):
+            if result.id not in self._checks:
+                self._checks.update(await asyncio.to_thread(self._freivalds_all, [(wu, result)]))
+        decision = validator.decide(wu, results, self._checks, now)
+        method = validation_method(wu)
+        trust_change: dict[str, tuple[int, int]] = {}
+        for result, valid in decision.verdicts:
+            host = self.ledger.hosts.get(result.host_id)
+            if not valid:
+                self.stats["invalid"] += 1
+            self.metrics.validation(method, "valid" if valid else "invalid")
+            if host is not None:
+                update = trust.after_valid if valid else trust.after_invalid
+                changed = update(host, self.config.trust)
+                trust_change[result.id] = (host.consecutive_valid, changed.consecutive_valid)
+                if changed.quarantined and not host.quarantined:
+                    self.ledger.log([quarantine_event(changed, now)])
+                self.ledger.put_host(changed)
+        for result in decision.results:
+            self.ledger.put_result(result)
+        if decision.wu != wu:
+            self.ledger.put_wu(decision.wu)
+        compared = sum(1 for r in results if r.outcome is Outcome.SUCCESS)
+        self.ledger.log(
+            [
+                _with_data(e, method, compared, trust_change.get(e.result_id))
+                if e.kind == "validation"
+                else e
+                for e in decision.events
+            ]
+        )
+        self.ledger.touched.add(wu_id)
+        if decision.decided:
+            self.products.end_replicas(decision.wu, "not needed: the work unit is validated", now)
+            await self.products.assimilate(decision.wu, now)
+
+    async def judge_late(self, gemm_id: str, now: float) -> None:
+        """Replicas that arrived after their tile was decided are compared with the canonical
+        tile now: once the GEMM leaves memory, nothing would judge them (and a late liar
+        would go unnoticed). Its checks leave memory with it."""
+        for wu in self.ledger.workunits_for(gemm_id):
+            if validator.awaiting_verdict(self.ledger.results_for(wu.id)):
+                await self.validate(wu.id, now)
+        for wu in self.ledger.workunits_for(gemm_id):
+            for result_id in self.ledger.results_of.get(wu.id, ()):
+                self._checks.pop(result_id, None)
+
+    async def _check_tiles(self, wu_ids: list[str]) -> None:
+        """The Freivalds checks a pass needs, all in one trip to a worker thread, so that a
+        report of many small tiles does not cost a thread hand-off and three blob reads for
+        each: a panel shared by several tiles is read once."""
+        wanted = []
+        for wu_id in wu_ids:
+            wu = self.ledger.wus.get(wu_id)
+            if wu is None:
+                continue
+            for result in validator.tiles_to_check(wu, self.ledger.results_for(wu_id)):
+                if result.id not in self._checks:
+                    wanted.append((wu, result))
+        if wanted:
+            self._checks.update(await asyncio.to_thread(self._freivalds_all, wanted))
+
+    def _freivalds_all(self, wanted: list[tuple[WorkUnit, Result]]) -> dict[str, validator.Check]:
+        panels: dict[str, np.ndarray] = {}
+
+        def panel(blob: str) -> np.ndarray:
+            if blob not in panels:
+                panels[blob] = self.blobs.get_array(blob)
+            return panels[blob]
+
+        checks = {}
+        for wu, result in wanted:
+            tile = self.blobs.get_array(result.output_hash)
+            checks[result.id] = freivalds.verify(
+                np.ascontiguousarray(panel(wu.a_panel)),
+                np.ascontiguousarray(panel(wu.b_panel)),
+                np.ascontiguousarray(tile),
+                trans_a=wu.trans_a,
+                trans_b=wu.trans_b,
+                key=self.key,
+                wu_id=wu.id,
+                rounds=self.config.freivalds_rounds,
+            )
+            # The tile that passes is assimilated in this pass: no second read from disk.
+            self.products.tiles[result.output_hash] = tile
+        return checks
+
+    def _accelerate_tails(self, now: float) -> None:
+        """Spare replicas for the last work units of a GEMM that is nearly done."""
+        for output in list(self.products.outputs.values()):
+            if output.gemm is None:
+                continue
+            wus = self.ledger.workunits_for(output.gemm.id)
+            if not wus:
+                continue
+            done = sum(1 for wu in wus if wu.state in WU_DECIDED)
+            if done == len(wus) or done < self.config.tail_fraction * len(wus):
+                continue
+            for wu in wus:
+                if wu.state is not WuState.ACTIVE or wu.accelerated:
+                    continue
+                if not any(
+                    r.server_state is ServerState.IN_PROGRESS
+                    for r in self.ledger.results_for(wu.id)
+                ):
+                    continue
+                spare = wu.evolve(target_nresults=wu.target_nresults + 1, accelerated=True)
+                self.ledger.put_wu(spare)
+                self.ledger.touched.add(wu.id)
+                message = f"tail: {done}/{len(wus)} tiles done; spare replica for a fast host"
+                self.ledger.log([Event.about(wu, now, "accelerated", message)])
+
+
+def validation_method(wu: WorkUnit) -> str:
+    """How this work unit is decided: a single replica is always checked by Freivalds."""
+    return Policy.FREIVALDS.value if wu.min_quorum <= 1 else wu.policy.value
+
+
+def _with_data(event: Event, method: str, compared: int, cv: tuple[int, int] | None) -> Event:
+    fields: dict = {"method": method, "compared": compared}
+    if cv is not None:
+        fields["trust_before"], fields["trust_after"] = cv
+    return dataclasses.replace(event, data=json.dumps(fields))

@@ -1,0 +1,95 @@
+"""How training is going, for status, the dashboard and /metrics: steps, rates, counts."""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+
+from coordinator.engine.metrics import Metrics
+from coordinator.state.ledger import Ledger
+from coordinator.state.store import Store
+from coordinator.work.records import GemmState
+
+ACTIVE_WITHIN = 300.0  # seconds since its last contact for a host to count as active
+
+
+class Progress:
+    def __init__(self, ledger: Ledger, store: Store, stats: dict) -> None:
+        self.ledger = ledger
+        self.store = store
+        self.stats = stats
+        self.training: dict = {}  # step, steps, loss: set by the training loop
+        self.history: list[dict] = []  # one entry per step: loss, val_loss, seconds
+        self.rates: deque[tuple[float, int]] = deque(maxlen=600)  # (time, tiles_in) samples
+        self.paused = lambda: False  # the Coordinator's switch
+        self.metrics = Metrics(self.status)
+
+    def record_step(self, step: int, steps: int, loss: float, val_loss, seconds: float) -> None:
+        """What the training loop reports after each step (status, dashboard, metrics)."""
+        self.training = {"step": step, "steps": steps, "loss": loss, "seconds": seconds}
+        if val_loss is not None:
+            self.training["val_loss"] = val_loss
+        self.history.append(dict(self.training, time=time.time()))
+        self.metrics.loss.set(loss)
+        self.metrics.step.set(step)
+        self.metrics.steps.observe(seconds)
+
+    def sample_rate(self, now: float) -> None:
+        """One (time, tiles in) sample a second at most, for tiles_per_second."""
+        if not self.rates or now - self.rates[-1][0] >= 1.0:
+            self.rates.append((now, self.stats["tiles_in"]))
+
+    def tiles_per_second(self, window: float = 60.0) -> float:
+        """Tiles received per second over the last `window` seconds."""
+        now = time.time()
+        recent = [(t, n) for t, n in self.rates if t >= now - window]
+        recent.append((now, self.stats["tiles_in"]))
+        (t0, n0), (t1, n1) = recent[0], recent[-1]
+        return (n1 - n0) / (t1 - t0) if t1 > t0 else 0.0
+
+    def host_states(self, now: float | None = None) -> dict[str, int]:
+        now = time.time() if now is None else now
+        states = {"active": 0, "idle": 0, "quarantined": 0}
+        for host in self.ledger.hosts.values():
+            if host.quarantined:
+                states["quarantined"] += 1
+            elif now - host.last_contact < ACTIVE_WITHIN:
+                states["active"] += 1
+            else:
+                states["idle"] += 1
+        return states
+
+    async def full_status(self) -> dict:
+        """status() with the counts of the whole project, finished products included."""
+        await self.ledger.flush()
+        summary = self.status()
+        summary["workunits"] = await self.store.workunit_counts()
+        summary["invalid"] = await self.store.invalid_count()
+        return summary
+
+    def status(self) -> dict:
+        """A summary of what is in memory, for /metrics and the dashboard."""
+        ledger = self.ledger
+        training = dict(self.training)
+        if training.get("step") and self.history:
+            per_step = sum(h["seconds"] for h in self.history[-10:]) / len(self.history[-10:])
+            training["eta_seconds"] = per_step * (training["steps"] - training["step"])
+        return {
+            "gemms_active": sum(1 for g in ledger.gemms.values() if g.state is GemmState.ACTIVE),
+            "workunits": _count(wu.state.value for wu in ledger.wus.values()),
+            "results": _count(r.server_state.value for r in ledger.results.values()),
+            "hosts": len(ledger.hosts),
+            "host_states": self.host_states(),
+            "hosts_quarantined": sum(1 for h in ledger.hosts.values() if h.quarantined),
+            "tiles_per_second": round(self.tiles_per_second(), 2),
+            "training": training,
+            "paused": self.paused(),
+            **self.stats,
+        }
+
+
+def _count(values) -> dict[str, int]:
+    counts: dict[str, int] = {}
+    for value in values:
+        counts[value] = counts.get(value, 0) + 1
+    return counts

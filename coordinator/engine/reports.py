@@ -1,0 +1,223 @@
+"""Reports: a host's results checked at the edge, their tiles stored, then applied at once."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+from collections.abc import Callable
+
+import numpy as np
+
+import kernels
+from coordinator.engine.config import CoordinatorConfig
+from coordinator.engine.metrics import Metrics
+from coordinator.rules import trust
+from coordinator.state.blobs import BlobStore
+from coordinator.state.ledger import Ledger
+from coordinator.state.store import Store
+from coordinator.work.events import Event
+from coordinator.work.protocol import (
+    BadRequest,
+    Forbidden,
+    NotFound,
+    ReportRequest,
+    ResultReport,
+    StorageUnavailable,
+)
+from coordinator.work.records import WU_DECIDED, Host, Outcome, Result, ServerState, WorkUnit
+
+log = logging.getLogger(__name__)
+
+STORAGE_RETRY = 5.0  # seconds a volunteer waits before resending a report the store refused
+
+
+class Reports:
+    """Accepts batches of results; a success goes to the validator through `arrived`."""
+
+    def __init__(
+        self,
+        config: CoordinatorConfig,
+        ledger: Ledger,
+        store: Store,
+        blobs: BlobStore,
+        metrics: Metrics,
+        stats: dict,
+        arrived: Callable[[str], None],
+        wake: Callable[[], None],
+    ) -> None:
+        self.config = config
+        self.ledger = ledger
+        self.store = store
+        self.blobs = blobs
+        self.metrics = metrics
+        self.stats = stats
+        self.arrived = arrived  # a work unit has a new success to validate
+        self.wake = wake  # the passes: something changed
+
+    async def report(self, host: Host, request: ReportRequest, now: float) -> dict:
+        """Accept a batch of results: all entries are checked before any is applied.
+
+        A batch refused for a forged or malformed result costs the host as an invalid result
+        would: an honest client never sends one, and a liar must not lie for free."""
+        try:
+            return await self._report(host, request, now)
+        except (BadRequest, Forbidden) as exc:
+            self._punish(host.id, exc.message, now)
+            await self.ledger.flush()
+            raise
+
+    def _punish(self, host_id: int, reason: str, now: float) -> None:
+        current = self.ledger.hosts[host_id]
+        changed = trust.after_invalid(current, self.config.trust)
+        self.ledger.put_host(changed)
+        self.stats["invalid"] += 1
+        data = {"method": "protocol", "trust_before": current.consecutive_valid, "trust_after": 0}
+        self.ledger.log(
+            [
+                Event(
+                    now,
+                    "validation",
+                    "invalid",
+                    f"refused report: {reason}",
+                    host_id=host_id,
+                    data=json.dumps(data),
+                )
+            ]
+        )
+        if changed.quarantined and not current.quarantined:
+            self.ledger.log([quarantine_event(changed, now)])
+
+    async def _report(self, host: Host, request: ReportRequest, now: float) -> dict:
+        checked = []
+        finished = []  # results of GEMMs already done and out of memory: nothing to apply
+        for entry in request.results:
+            result = self.ledger.results.get(entry.result_id)
+            if result is None:
+                result = await self.store.result(entry.result_id)
+                if result is None:
+                    raise NotFound(f"unknown result {entry.result_id}")
+                if result.host_id != host.id:
+                    raise Forbidden(f"result {entry.result_id} is not assigned to host {host.id}")
+                finished.append(entry.result_id)
+                continue
+            if result.host_id != host.id:
+                raise Forbidden(f"result {entry.result_id} is not assigned to host {host.id}")
+            wu = self.ledger.wus[result.wu_id]
+            tile = None
+            if entry.tile is not None:
+                tile = self._check_tile(wu, entry.result_id, entry.output_hash, entry.tile)
+            elif (
+                entry.error is None
+                and not entry.abandoned
+                and result.upload_tile
+                and wu.state not in WU_DECIDED
+            ):
+                raise BadRequest(f"result {entry.result_id}: the assignment asked for the tile")
+            checked.append((entry, result, wu, tile))
+        # Every tile is stored before any report is applied: when the blob store fails, the
+        # whole report is refused and none of it is half-done.
+        await self._store_tiles(
+            [
+                (entry.output_hash, tile)
+                for entry, result, _, tile in checked
+                if tile is not None and not self._reported(result)  # a replay stores nothing
+            ]
+        )
+        summary: dict[str, list[str]] = {"accepted": [], "late": finished, "duplicate": []}
+        for entry, result, wu, tile in checked:
+            verdict = self._apply(host, entry, result, wu, tile is not None, now)
+            summary[verdict].append(entry.result_id)
+        self.ledger.put_host(self.ledger.hosts[host.id].evolve(last_contact=now))
+        await self.ledger.flush()
+        self.wake()
+        return summary
+
+    def _reported(self, result: Result) -> bool:
+        current = self.ledger.results.get(result.id, result)
+        return current.outcome in (Outcome.SUCCESS, Outcome.CLIENT_ERROR)
+
+    async def _store_tiles(self, tiles: list[tuple[str, bytes]]) -> None:
+        def store() -> None:
+            self.blobs.put_many([(tile, output_hash) for output_hash, tile in tiles])
+
+        try:
+            await asyncio.to_thread(store)
+        except OSError as exc:
+            log.error("blob store %s cannot be written: %s", self.blobs.root, exc)
+            raise StorageUnavailable(
+                f"the coordinator cannot store tiles just now (blob store: {exc.strerror}); "
+                f"send the report again in {STORAGE_RETRY:.0f} s",
+                retry_after=STORAGE_RETRY,
+            ) from exc
+
+    def _check_tile(self, wu: WorkUnit, result_id: str, claimed: str, tile: bytes) -> bytes:
+        m, n, _ = wu.shape
+        if len(tile) > self.config.max_blob_bytes:
+            raise BadRequest(f"result {result_id}: tile of {len(tile)} bytes is over the limit")
+        try:
+            kernels.verify_blob(tile, claimed)
+            array = kernels.decode_array(tile)
+        except ValueError as exc:
+            raise BadRequest(f"result {result_id}: {exc}") from exc
+        if array.dtype != np.float32 or array.shape != (m, n):
+            raise BadRequest(
+                f"result {result_id}: tile must be float32 of shape {(m, n)}, "
+                f"got {array.dtype} {array.shape}"
+            )
+        return tile
+
+    def _apply(
+        self, host: Host, entry: ResultReport, result: Result, wu: WorkUnit, has_tile: bool, now
+    ) -> str:
+        # Re-read: a deadline or a concurrent retry of this report may have changed it since,
+        # or its GEMM finished and left memory while the tiles were being stored.
+        current = self.ledger.results.get(result.id)
+        if current is None:
+            return "late"
+        result = current
+        if result.outcome in (Outcome.SUCCESS, Outcome.CLIENT_ERROR):
+            return "duplicate"
+        late = result.server_state is ServerState.OVER
+        if (entry.abandoned or entry.error is not None) and late:
+            return "late"
+        over = {"server_state": ServerState.OVER, "received_time": now}
+        if entry.abandoned:
+            # As if its deadline had passed now: a replacement goes out at once, and the
+            # host, which said so honestly, keeps its standing.
+            self.ledger.put_result(result.evolve(outcome=Outcome.NO_REPLY, **over))
+            state, message = "abandoned", "given back uncomputed by the host"
+        elif entry.error is not None:
+            self.ledger.put_result(
+                result.evolve(outcome=Outcome.CLIENT_ERROR, error=entry.error, **over)
+            )
+            self.ledger.put_host(trust.after_error(self.ledger.hosts[host.id], self.config.trust))
+            state, message = "client_error", f"host error: {entry.error}"
+        else:
+            self.ledger.put_result(
+                result.evolve(
+                    outcome=Outcome.SUCCESS,
+                    output_hash=entry.output_hash,
+                    has_tile=has_tile,
+                    **over,
+                )
+            )
+            self.stats["tiles_in"] += 1
+            what = "tile" if has_tile else "hash"
+            message = f"{what} {entry.output_hash[:16]} in {entry.seconds:.2f}s"
+            state, message = "success", ("late " if late else "") + message
+            self.arrived(wu.id)
+        self.metrics.results.labels(state).inc()
+        self.ledger.log([Event.about(wu, now, state, message, result)])
+        self.ledger.touched.add(wu.id)
+        return "late" if late else "accepted"
+
+
+def quarantine_event(host: Host, now: float) -> Event:
+    return Event(
+        now,
+        "host",
+        "quarantined",
+        f"host {host.id} quarantined after {host.invalid_count} invalid results",
+        host_id=host.id,
+    )

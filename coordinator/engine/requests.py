@@ -1,0 +1,171 @@
+"""Work requests: what a host is given, long-polled while there is nothing, answered once.
+
+A request carries an id; its answer is remembered (in memory, and in the store when it
+assigns or aborts something), so a retry of a request whose answer was lost on the way gets
+the same bytes back instead of a second set of assignments (BOINC's ghost tasks)."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections import OrderedDict
+
+from coordinator.engine.config import CoordinatorConfig
+from coordinator.engine.waiters import Waiters
+from coordinator.rules.scheduler import Scheduler
+from coordinator.state.ledger import Ledger
+from coordinator.state.store import Reply, Store
+from coordinator.work.protocol import Forbidden, WorkRequest, encode
+from coordinator.work.records import Host, Result, WorkUnit
+
+REPLIES_KEPT_PER_HOST = 16  # in memory; the store keeps config.replies_per_host
+PAUSED_DELAY = 5.0  # seconds a host waits before asking a paused project again
+
+
+class WorkRequests:
+    """Answers work requests: plans them with the Scheduler, waits for work, remembers."""
+
+    def __init__(
+        self,
+        config: CoordinatorConfig,
+        ledger: Ledger,
+        store: Store,
+        scheduler: Scheduler,
+        stats: dict,
+    ) -> None:
+        self.config = config
+        self.ledger = ledger
+        self.store = store
+        self.scheduler = scheduler
+        self.stats = stats
+        self.paused = False  # set by the operator: no new work goes out
+        self.waiters = Waiters()  # long-polling work requests
+        self._replies: dict[int, OrderedDict[str, bytes]] = {}
+        self._inflight: dict[tuple[int, str], asyncio.Future] = {}
+
+    def signal_work(self) -> None:
+        """New unsent results: wake as many waiting requests as there is work for."""
+        self.waiters.wake(len(self.ledger.unsent))
+
+    async def request_work(self, host: Host, request: WorkRequest, now: float) -> bytes:
+        """The answer to a work request; a repeated request id gets the same bytes back.
+
+        With no work to give, the request waits (long poll) up to `long_poll` seconds for
+        work to appear, so volunteers pick up the next product of a step at once instead of
+        sleeping through it."""
+        self.stats["work_requests"] += 1
+        key = (host.id, request.request_id)
+        stored = self._replies.get(host.id, {}).get(request.request_id)
+        if stored is None and key in self._inflight:
+            return await asyncio.shield(self._inflight[key])
+        if stored is None and host.id not in self._replies:
+            # Only a host's first request since this coordinator started can be a retry of a
+            # reply it lost before a restart; every later one is found in memory.
+            stored = await self.store.reply(host.id, request.request_id)
+        if stored is not None:
+            return stored
+        if host.quarantined:
+            raise Forbidden(
+                f"host {host.id} is quarantined after {host.invalid_count} invalid results"
+            )
+        answer = asyncio.get_running_loop().create_future()
+        self._inflight[key] = answer
+        try:
+            body = await self._answer(host, request, now)
+            answer.set_result(body)
+            return body
+        except BaseException as exc:
+            answer.set_exception(exc)
+            answer.exception()  # retrieved: the caller re-raises it
+            raise
+        finally:
+            del self._inflight[key]
+
+    async def _answer(self, host: Host, request: WorkRequest, now: float) -> bytes:
+        # Re-read: the record may have changed while this request awaited the store.
+        host = self.ledger.hosts[host.id].evolve(last_contact=now)
+        if request.gflops:
+            host = host.evolve(gflops=request.gflops)
+        self.ledger.put_host(host)
+        if self.paused:
+            return encode(
+                {
+                    "assignments": [],
+                    "abort": [],
+                    "bytes_saved": 0,
+                    "delay": PAUSED_DELAY,
+                    "note": "the project is paused by its operator",
+                }
+            )
+        plan = self.scheduler.plan(host, request, now)
+        deadline = time.monotonic() + self.config.long_poll
+        while not plan.assignments and plan.room > 0 and request.wait:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0 or not await self.waiters.wait(remaining):
+                break
+            now = time.time()
+            host = self.ledger.hosts[host.id]
+            plan = self.scheduler.plan(host, request, now)
+            if not plan.assignments and self.ledger.unsent:
+                # Work is there, but none this host may take (it holds a replica, or lacks
+                # the memory): answer now rather than be woken again and again for it. The
+                # wake-up is not passed on: a chain through every waiter is the herd again.
+                break
+        self.ledger.log(plan.events)
+        self.stats["bytes_saved"] += plan.bytes_saved
+        assignments = [self._assignment(a.wu, a.result, now) for a in plan.assignments]
+        message = {
+            "assignments": assignments,
+            "abort": plan.abort,
+            "bytes_saved": plan.bytes_saved,
+            "delay": 0.0 if assignments else self.config.no_work_delay,
+        }
+        if plan.too_big and not assignments:
+            message["note"] = (
+                f"{plan.too_big} work unit(s) need more memory than this host offers "
+                f"({host.max_memory_mb} MB); the smallest needs "
+                f"{plan.smallest_need / (1 << 20):.1f} MB: raise --max-memory"
+            )
+        body = encode(message)
+        # A reply that assigns or aborts nothing changes nothing: a retry may be planned
+        # afresh, so only memory keeps it (10,000 idle hosts would write 5,000 rows/s).
+        durable = bool(assignments or plan.abort)
+        self._remember(host.id, request.request_id, body, now, durable)
+        await self.ledger.flush()
+        return body
+
+    def _assignment(self, wu: WorkUnit, result: Result, now: float) -> dict:
+        m, n, k = wu.shape
+        return {
+            "result_id": result.id,
+            "wu_id": wu.id,
+            "a": wu.a_panel,
+            "b": wu.b_panel,
+            "a_bytes": self.ledger.panel_bytes.get(wu.a_panel, 0),
+            "b_bytes": self.ledger.panel_bytes.get(wu.b_panel, 0),
+            "trans_a": wu.trans_a,
+            "trans_b": wu.trans_b,
+            "m": m,
+            "n": n,
+            "k": k,
+            "upload": "tile" if result.upload_tile else "hash",
+            "deadline_in": max(0.0, (result.report_deadline or now) - now),
+            "kernel_version": wu.kernel_version,
+        }
+
+    def _remember(
+        self, host_id: int, request_id: str, body: bytes, now: float, durable: bool
+    ) -> None:
+        recent = self._replies.setdefault(host_id, OrderedDict())
+        recent[request_id] = body
+        while len(recent) > REPLIES_KEPT_PER_HOST:
+            recent.popitem(last=False)
+        if durable:
+            self.ledger.remember_reply(Reply(host_id, request_id, now, body))
+
+    async def prune_replies(self, now: float) -> None:
+        """Forget stored replies older than `reply_ttl` and all but each host's newest
+        `replies_per_host`: a retry comes within seconds, and the table must not grow for as
+        long as the project runs."""
+        await self.ledger.flush()
+        await self.store.prune_replies(now - self.config.reply_ttl, self.config.replies_per_host)
