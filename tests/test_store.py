@@ -1,11 +1,19 @@
-"""The SQLite store: every field of every record survives a commit and a reload."""
+"""The Store contract: every driver (SQLite, in memory) passes the same tests.
+
+The in-memory store answers the named queries of queries.sql in Python; these tests, run
+against both, and the check that it answers every name, keep the fake from drifting."""
 
 from __future__ import annotations
 
 import dataclasses
+import inspect
 
+import pytest
+
+from coordinator.state.memory import MemoryStore
+from coordinator.state.queries import load_queries
 from coordinator.state.sqlite import SqliteStore
-from coordinator.state.store import Batch
+from coordinator.state.store import Batch, Reply
 from coordinator.work.events import Event
 from coordinator.work.records import (
     Gemm,
@@ -21,6 +29,36 @@ from coordinator.work.records import (
 )
 
 HASH = "ab" * 32
+
+
+class Driver:
+    """One store driver, opened; `reopen` is a restart (the in-memory one keeps its tables)."""
+
+    def __init__(self, kind: str, tmp_path) -> None:
+        self.kind, self.path = kind, tmp_path / "state.db"
+        self.memory = MemoryStore()
+
+    def make(self):
+        return SqliteStore(self.path) if self.kind == "sqlite" else self.memory
+
+    async def reopen(self, store):
+        await store.close()
+        store = self.make()
+        await store.open()
+        return store
+
+
+@pytest.fixture(params=["sqlite", "memory"])
+async def driver(request, tmp_path):
+    return Driver(request.param, tmp_path)
+
+
+@pytest.fixture
+async def store(driver):
+    store = driver.make()
+    await store.open()
+    yield store
+    await store.close()
 
 
 def records():
@@ -51,10 +89,8 @@ def records():
     return gemm, host, wu, result
 
 
-async def test_every_changed_field_survives_a_reload(tmp_path):
+async def test_every_changed_field_survives_a_reload(driver, store):
     gemm, host, wu, result = records()
-    store = SqliteStore(tmp_path / "state.db")
-    await store.open()
     await store.commit(Batch({gemm.id: gemm}, {wu.id: wu}, {result.id: result}, {1: host}))
     # Change every mutable field, as the scheduler, transitioner and validator do.
     changed_wu = wu.evolve(
@@ -95,9 +131,7 @@ async def test_every_changed_field_survives_a_reload(tmp_path):
     await store.commit(
         Batch({}, {wu.id: changed_wu}, {result.id: changed_result}, {1: changed_host}, [event])
     )
-    await store.close()
-    store = SqliteStore(tmp_path / "state.db")
-    await store.open()
+    store = await driver.reopen(store)
     snapshot = await store.load()
     assert snapshot.gemms == [gemm]
     assert snapshot.workunits == [changed_wu]
@@ -109,3 +143,66 @@ async def test_every_changed_field_survives_a_reload(tmp_path):
     assert (await store.load()).gemms == []
     assert (await store.gemm(gemm.id)).state is GemmState.DONE
     await store.close()
+
+
+async def test_stored_replies_are_pruned_by_age_and_by_count_per_host(store):
+    _, host, _, _ = records()
+    await store.commit(Batch(hosts={1: host, 2: dataclasses.replace(host, id=2, token_hash="u")}))
+    replies = [
+        Reply(host, f"req-{host}-{i}", float(i), b"body") for host in (1, 2) for i in range(6)
+    ]
+    await store.commit(Batch(replies=replies))
+    assert await store.reply_count() == 12
+    await store.prune_replies(before=1.0, keep=3)  # the oldest by age, then all but 3 newest
+    assert await store.reply_count() == 6
+    assert await store.reply(1, "req-1-5") == b"body"
+    assert await store.reply(1, "req-1-2") is None  # past the newest three
+    assert await store.reply(2, "req-2-0") is None  # too old
+    await store.prune_replies(before=5.0, keep=3)
+    assert await store.reply_count() == 2
+
+
+async def test_blobs_of_finished_steps_are_prunable_unless_a_later_product_uses_them(store):
+    gemm, host, wu, result = records()
+    done = gemm.evolve(state=GemmState.DONE)
+    tile = "cd" * 32
+    later = dataclasses.replace(gemm, id="h" * 64, step=9)
+    later_wu = dataclasses.replace(wu, id="x" * 64, gemm_id=later.id, step=9, b_panel=tile)
+    finished = result.evolve(output_hash=tile, has_tile=True, outcome=Outcome.SUCCESS)
+    await store.commit(
+        Batch(
+            {done.id: done, later.id: later},
+            {wu.id: wu, later_wu.id: later_wu},
+            {result.id: finished},
+            {1: host},
+        )
+    )
+    assert await store.prunable_blobs(through_step=3) == set()  # both are panels of step 9
+    assert (await store.gemm(gemm.id)).state is GemmState.PRUNED
+    assert (await store.gemm(later.id)).state is GemmState.ACTIVE
+
+
+async def test_events_filter_and_counts(store):
+    gemm, host, wu, result = records()
+    invalid = result.evolve(validate_state=ValidateState.INVALID)
+    events = [
+        Event(1.0, "wu", "created", "a", 3, gemm.id, wu.id),
+        Event(2.0, "validation", "invalid", "b", 3, gemm.id, wu.id, result.id, 1),
+        Event(3.0, "validation", "invalid", "c", 4, gemm.id, wu.id, result.id, 1),
+    ]
+    await store.commit(Batch({gemm.id: gemm}, {wu.id: wu}, {result.id: invalid}, {1: host}, events))
+    assert [e.message for e in await store.events(kind="validation")] == ["b", "c"]
+    assert [e.message for e in await store.events(step=3)] == ["a", "b"]
+    assert [e.message for e in await store.events(after=1, limit=1)] == ["b"]
+    assert [e.message for e in await store.recent_events("validation", "invalid", 5)] == ["c", "b"]
+    assert await store.workunit_counts() == {"active": 1}
+    assert await store.invalid_count() == 1
+
+
+def test_the_memory_store_answers_every_named_query_and_no_other():
+    answered = {
+        name.removesuffix("_run")
+        for name, _ in inspect.getmembers(MemoryStore, inspect.isfunction)
+        if name.endswith("_run")
+    }
+    assert answered == set(load_queries())

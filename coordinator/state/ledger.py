@@ -12,7 +12,6 @@ from collections.abc import Callable
 from coordinator.state.store import Batch, Reply, Snapshot, Store
 from coordinator.work.events import Event
 from coordinator.work.records import (
-    WU_TERMINAL,
     Gemm,
     GemmState,
     Host,
@@ -163,14 +162,7 @@ class Ledger:
             self.results[result.id] = result
             self._index(result)
 
-    def live_wus(self) -> list[WorkUnit]:
-        return [wu for wu in self.wus.values() if wu.state not in WU_TERMINAL]
-
     # ---- committing ----------------------------------------------------------------------
-
-    @property
-    def dirty(self) -> bool:
-        return bool(self._batch)
 
     async def flush(self) -> None:
         """Commit everything queued so far (group commit: one transaction for many changes)."""

@@ -69,7 +69,7 @@ WHERE time < :before
    );
 
 -- name: count_replies
-SELECT count(*) FROM work_replies;
+SELECT count(*) AS n FROM work_replies;
 
 -- name: select_reply
 SELECT body FROM work_replies WHERE host_id = :host_id AND request_id = :request_id;
@@ -106,7 +106,7 @@ ORDER BY id LIMIT :limit;
 SELECT state, COUNT(*) AS n FROM workunits GROUP BY state;
 
 -- name: select_blobs_through_step
-SELECT a_panel FROM workunits JOIN gemms ON workunits.gemm_id = gemms.id
+SELECT a_panel AS blob FROM workunits JOIN gemms ON workunits.gemm_id = gemms.id
 WHERE gemms.step <= :step AND gemms.state = 'done'
 UNION SELECT b_panel FROM workunits JOIN gemms ON workunits.gemm_id = gemms.id
 WHERE gemms.step <= :step AND gemms.state = 'done'
@@ -115,7 +115,7 @@ JOIN workunits ON results.wu_id = workunits.id JOIN gemms ON workunits.gemm_id =
 WHERE gemms.step <= :step AND gemms.state = 'done' AND results.has_tile = 1;
 
 -- name: select_blobs_after_step
-SELECT a_panel FROM workunits JOIN gemms ON workunits.gemm_id = gemms.id
+SELECT a_panel AS blob FROM workunits JOIN gemms ON workunits.gemm_id = gemms.id
 WHERE gemms.step > :step OR gemms.state != 'done'
 UNION SELECT b_panel FROM workunits JOIN gemms ON workunits.gemm_id = gemms.id
 WHERE gemms.step > :step OR gemms.state != 'done'

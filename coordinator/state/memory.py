@@ -1,0 +1,221 @@
+"""The Store in memory: every named query of queries.sql answered in Python, for unit tests.
+
+Rows are dicts shaped as SQLite returns them (enums as values, bools as integers), so the
+shared `QueryStore` turns them into records the same way for both drivers."""
+
+from __future__ import annotations
+
+import copy
+from collections import Counter
+from typing import Any
+
+from coordinator.state.queries import QueryStore, Row
+
+# The columns an upsert may change on a row that exists (the rest are fixed at insert), as
+# the ON CONFLICT clauses of queries.sql list them.
+_MUTABLE = {
+    "gemms": ("state", "error"),
+    "hosts": (
+        "name",
+        "last_contact",
+        "gflops",
+        "threads",
+        "max_memory_mb",
+        "consecutive_valid",
+        "valid_count",
+        "invalid_count",
+        "error_count",
+        "max_in_progress",
+        "quarantined",
+    ),
+    "workunits": (
+        "target_nresults",
+        "min_quorum",
+        "state",
+        "canonical_result",
+        "canonical_hash",
+        "error_mask",
+        "transition_time",
+        "accelerated",
+    ),
+    "results": (
+        "host_id",
+        "server_state",
+        "outcome",
+        "validate_state",
+        "upload_tile",
+        "sent_time",
+        "received_time",
+        "report_deadline",
+        "output_hash",
+        "has_tile",
+        "error",
+    ),
+}
+
+
+class MemoryStore(QueryStore):
+    """Tables as dicts in insertion order (SQLite's rowid order for these queries)."""
+
+    def __init__(self) -> None:
+        self.tables: dict[str, dict[Any, dict[str, Any]]] = {
+            "gemms": {},
+            "hosts": {},
+            "workunits": {},
+            "results": {},
+            "events": {},
+            "work_replies": {},
+        }
+        self.is_open = False
+
+    async def open(self) -> None:
+        self.is_open = True
+
+    async def close(self) -> None:
+        self.is_open = False
+
+    # ---- the driver ----------------------------------------------------------------------
+
+    async def _query(self, name: str, **values: Any) -> list[Row]:
+        return [dict(row) for row in getattr(self, f"{name}_run")(**values)]
+
+    async def _execute(self, name: str, **values: Any) -> None:
+        getattr(self, f"{name}_run")(**values)
+
+    async def _transaction(self, statements: list[tuple[str, list[dict[str, Any]]]]) -> None:
+        saved = copy.deepcopy(self.tables)
+        try:
+            for name, rows in statements:
+                for row in rows:
+                    getattr(self, f"{name}_run")(**row)
+        except BaseException:
+            self.tables = saved  # all of the batch or none of it
+            raise
+
+    # ---- the named queries ---------------------------------------------------------------
+
+    def _upsert(self, table: str, row: dict[str, Any]) -> None:
+        existing = self.tables[table].get(row["id"])
+        if existing is None:
+            self.tables[table][row["id"]] = dict(row)
+        else:
+            existing.update({k: row[k] for k in _MUTABLE[table]})
+
+    def upsert_gemm_run(self, **row: Any) -> None:
+        self._upsert("gemms", row)
+
+    def upsert_host_run(self, **row: Any) -> None:
+        self._upsert("hosts", row)
+
+    def upsert_workunit_run(self, **row: Any) -> None:
+        self._upsert("workunits", row)
+
+    def upsert_result_run(self, **row: Any) -> None:
+        self._upsert("results", row)
+
+    def insert_event_run(self, **row: Any) -> None:
+        events = self.tables["events"]
+        number = len(events) + 1
+        events[number] = {"id": number, **row}
+
+    def insert_reply_run(self, **row: Any) -> None:
+        replies = self.tables["work_replies"]
+        key = (row["host_id"], row["request_id"])
+        replies.pop(key, None)  # INSERT OR REPLACE: a new row, last in order
+        replies[key] = dict(row)
+
+    def prune_replies_run(self, before: float, keep: int) -> None:
+        replies = self.tables["work_replies"]
+        newest: dict[int, list] = {}
+        for key, row in sorted(replies.items(), key=lambda item: -item[1]["time"]):
+            newest.setdefault(row["host_id"], []).append(key)
+        doomed = {key for keys in newest.values() for key in keys[keep:]}
+        doomed |= {key for key, row in replies.items() if row["time"] < before}
+        for key in doomed:
+            del replies[key]
+
+    def count_replies_run(self) -> list[Row]:
+        return [{"n": len(self.tables["work_replies"])}]
+
+    def select_reply_run(self, host_id: int, request_id: str) -> list[Row]:
+        row = self.tables["work_replies"].get((host_id, request_id))
+        return [{"body": row["body"]}] if row else []
+
+    def select_hosts_run(self) -> list[Row]:
+        return list(self.tables["hosts"].values())
+
+    def select_result_run(self, id: str) -> list[Row]:
+        row = self.tables["results"].get(id)
+        return [row] if row else []
+
+    def select_gemm_run(self, id: str) -> list[Row]:
+        row = self.tables["gemms"].get(id)
+        return [row] if row else []
+
+    def select_active_gemms_run(self) -> list[Row]:
+        return [g for g in self.tables["gemms"].values() if g["state"] == "active"]
+
+    def select_workunits_of_gemm_run(self, gemm_id: str) -> list[Row]:
+        return [w for w in self.tables["workunits"].values() if w["gemm_id"] == gemm_id]
+
+    def select_results_of_gemm_run(self, gemm_id: str) -> list[Row]:
+        wus = self.tables["workunits"]
+        return [r for r in self.tables["results"].values() if wus[r["wu_id"]]["gemm_id"] == gemm_id]
+
+    def select_events_run(
+        self,
+        after: int,
+        kind: str | None,
+        step: int | None,
+        state: str | None,
+        host_id: int | None,
+        limit: int,
+    ) -> list[Row]:
+        wanted = {"kind": kind, "step": step, "state": state, "host_id": host_id}
+        rows = [
+            e
+            for e in self.tables["events"].values()
+            if e["id"] > after and all(v is None or e[k] == v for k, v in wanted.items())
+        ]
+        return rows[:limit]
+
+    def count_workunits_by_state_run(self) -> list[Row]:
+        counts = Counter(w["state"] for w in self.tables["workunits"].values())
+        return [{"state": state, "n": n} for state, n in counts.items()]
+
+    def _blobs(self, through_step: int, done_through: bool) -> list[Row]:
+        gemms, wus = self.tables["gemms"], self.tables["workunits"]
+
+        def wanted(gemm: dict[str, Any]) -> bool:
+            finished = gemm["step"] <= through_step and gemm["state"] == "done"
+            return finished if done_through else not finished
+
+        blobs = set()
+        for wu in wus.values():
+            if wanted(gemms[wu["gemm_id"]]):
+                blobs.update((wu["a_panel"], wu["b_panel"]))
+        for result in self.tables["results"].values():
+            if result["has_tile"] and wanted(gemms[wus[result["wu_id"]]["gemm_id"]]):
+                blobs.add(result["output_hash"])
+        return [{"blob": blob} for blob in sorted(blobs)]
+
+    def select_blobs_through_step_run(self, step: int) -> list[Row]:
+        return self._blobs(step, done_through=True)
+
+    def select_blobs_after_step_run(self, step: int) -> list[Row]:
+        return self._blobs(step, done_through=False)
+
+    def mark_gemms_pruned_run(self, step: int) -> None:
+        for gemm in self.tables["gemms"].values():
+            if gemm["step"] <= step and gemm["state"] == "done":
+                gemm["state"] = "pruned"
+
+    def select_recent_events_run(self, kind: str, state: str, limit: int) -> list[Row]:
+        rows = [
+            e for e in self.tables["events"].values() if (e["kind"], e["state"]) == (kind, state)
+        ]
+        return rows[::-1][:limit]
+
+    def count_invalid_results_run(self) -> list[Row]:
+        invalid = sum(r["validate_state"] == "invalid" for r in self.tables["results"].values())
+        return [{"n": invalid}]

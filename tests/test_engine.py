@@ -1,0 +1,91 @@
+"""The engine alone: a Coordinator over the in-memory store, driven by in-process hosts.
+
+No HTTP, no SQLite: the parts are called as the server calls them, so these tests pin the
+engine's own behaviour (publish, assign, report, validate, assimilate, prune)."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import msgpack
+import numpy as np
+import pytest
+
+import kernels
+from coordinator.engine.config import CoordinatorConfig
+from coordinator.engine.coordinator import Coordinator
+from coordinator.state.memory import MemoryStore
+from coordinator.work.protocol import RegisterRequest, ReportRequest, ResultReport, WorkRequest
+from coordinator.work.records import Policy
+from tests.conftest import bits, operands
+
+
+async def honest_host(co: Coordinator, name: str, stop: asyncio.Event) -> int:
+    """Ask (long-polling), compute with the real kernel, report, until stopped; returns how
+    many tiles it reported."""
+    host, _ = await co.hosts.register(RegisterRequest(name, 10.0, 1, 512), time.time())
+    reported = 0
+    while not stop.is_set():
+        request = WorkRequest(f"{name}-{reported}-{time.monotonic_ns()}", 8, (), (), None, True)
+        reply = msgpack.unpackb(await co.requests.request_work(host, request, time.time()))
+        entries = []
+        for a in reply["assignments"]:
+            tile = kernels.gemm(
+                co.blobs.get_array(a["a"]),
+                co.blobs.get_array(a["b"]),
+                trans_a=a["trans_a"],
+                trans_b=a["trans_b"],
+            )
+            blob = kernels.encode_array(tile)
+            upload = blob if a["upload"] == "tile" else None
+            entries.append(ResultReport(a["result_id"], kernels.blob_id(blob), upload, None, 0.0))
+        if entries:
+            await co.reports.report(host, ReportRequest(tuple(entries)), time.time())
+            reported += len(entries)
+    return reported
+
+
+@pytest.fixture
+async def engine(tmp_path):
+    config = CoordinatorConfig(
+        directory=tmp_path, tile=16, policy=Policy.QUORUM, seed=1, long_poll=0.05
+    )
+    co = Coordinator(config, MemoryStore())
+    await co.start()
+    yield co
+    await co.stop()
+
+
+@pytest.mark.parametrize("trans_a, trans_b", [(False, False), (False, True), (True, False)])
+async def test_a_product_computed_by_two_hosts_has_the_kernels_bits(engine, rng, trans_a, trans_b):
+    a, b = operands(rng, 40, 24, 33, trans_a, trans_b)
+    stop = asyncio.Event()
+    hosts = [asyncio.create_task(honest_host(engine, f"h{i}", stop)) for i in range(2)]
+    product = await asyncio.wait_for(
+        engine.products.matmul(a, b, trans_a=trans_a, trans_b=trans_b, label="x"), 30
+    )
+    stop.set()
+    reported = await asyncio.gather(*hosts)
+    expected = kernels.gemm(a, b, trans_a=trans_a, trans_b=trans_b)
+    np.testing.assert_array_equal(bits(product), bits(expected))
+    assert reported == [6, 6]  # quorum: each host computed one replica of each of 3x2 tiles
+    assert engine.products.outputs == {}  # the finished product left memory
+    counts = await engine.store.workunit_counts()
+    assert counts == {"assimilated": 6}
+
+
+async def test_stored_work_replies_are_pruned_by_age_and_count(engine, rng):
+    a, b = operands(rng, 32, 32, 8, False, False)
+    stop = asyncio.Event()
+    hosts = [asyncio.create_task(honest_host(engine, f"h{i}", stop)) for i in range(2)]
+    await asyncio.wait_for(engine.products.matmul(a, b), 30)
+    stop.set()
+    await asyncio.gather(*hosts)
+    await engine.ledger.flush()
+    stored = await engine.store.reply_count()
+    assert stored > 0  # replies that assigned work were stored for retries
+    await engine.requests.prune_replies(time.time())
+    assert await engine.store.reply_count() == stored  # young, and under the count
+    await engine.requests.prune_replies(time.time() + engine.config.reply_ttl + 1)
+    assert await engine.store.reply_count() == 0
