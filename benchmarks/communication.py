@@ -35,7 +35,7 @@ sys.path.insert(0, os.path.dirname(_HERE))
 
 from benchmarks import serve_switched  # noqa: E402
 from benchmarks.report import Row  # noqa: E402
-from coordinator import project as projects  # noqa: E402
+from coordinator.training import project as projects  # noqa: E402
 
 MB = 1e6
 

@@ -35,7 +35,7 @@ import numpy as np  # noqa: E402
 
 from benchmarks import serve_switched  # noqa: E402
 from benchmarks.report import Row, verdict  # noqa: E402
-from coordinator import project as projects  # noqa: E402
+from coordinator.training import project as projects  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 TILEHIVE = [sys.executable, "-m", "coordinator.cli"]
