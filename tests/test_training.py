@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import signal
 import subprocess
 import sys
+import threading
 import urllib.request
 from pathlib import Path
 
@@ -285,3 +287,31 @@ async def test_a_failed_coordinator_loop_stops_training_instead_of_hanging(
     assert code == 1
     assert "the disk is on fire" in caplog.text  # the loop's own traceback
     assert "training stopped: the coordinator's loop failed" in caplog.text
+
+
+async def test_the_models_arithmetic_runs_off_the_servers_event_loop(tmp_path, monkeypatch):
+    """The model's own numpy work (here its first layernorm) runs on the training thread, so
+    the server's loop answers requests while a step computes."""
+    from coordinator.cli import serve as host
+    from coordinator.training import model
+
+    seen: list[threading.Thread] = []
+    reached = threading.Event()
+    layernorm = model.layernorm
+
+    def spying_layernorm(*args):
+        seen.append(threading.current_thread())
+        reached.set()
+        return layernorm(*args)
+
+    monkeypatch.setattr(model, "layernorm", spying_layernorm)
+    project = projects.create(tmp_path / "p", **SMALL)
+    serving = asyncio.create_task(host.host_project(project, "127.0.0.1", 0, False))
+    try:
+        await wait_until(reached.is_set, timeout=60)
+    finally:
+        serving.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await serving
+    assert seen and all(t is not threading.current_thread() for t in seen)
+    assert seen[0].name == "tilehive-training"

@@ -12,39 +12,18 @@ import socket
 import sys
 from pathlib import Path
 
-import numpy as np
-
+from coordinator.engine.backend import TrainingThread, VolunteerBackend, on_loop
 from coordinator.engine.config import CoordinatorConfig
 from coordinator.engine.coordinator import Coordinator
-from coordinator.engine.products import GemmFailed, Products
+from coordinator.engine.products import GemmFailed
 from coordinator.rules.access import AccessConfig
 from coordinator.rules.scheduler import SchedulerConfig
 from coordinator.server.api import serve
 from coordinator.state.sqlite import SqliteStore
 from coordinator.training.project import Project
-from coordinator.training.trainer import StepReport, Trainer, batched_gemm
+from coordinator.training.trainer import StepReport, Trainer
 
 log = logging.getLogger(__name__)
-
-
-class VolunteerBackend:
-    """Linear-layer products as work units for volunteers; attention locally."""
-
-    def __init__(self, products: Products) -> None:
-        self.products = products
-        self.step = 0
-
-    async def matmul(self, a, b, *, trans_a: bool, trans_b: bool, label: str) -> np.ndarray:
-        return await self.products.matmul(
-            np.ascontiguousarray(a, dtype=np.float32),
-            np.ascontiguousarray(b, dtype=np.float32),
-            trans_a=trans_a,
-            trans_b=trans_b,
-            step=self.step,
-            label=label,
-        )
-
-    batched = staticmethod(batched_gemm)
 
 
 def coordinator_config(project: Project) -> CoordinatorConfig:
@@ -128,10 +107,14 @@ async def _train(coordinator: Coordinator, project: Project, url: str, keep_serv
             "step %d/%d loss %.4f%s (%.2fs)", report.step, steps, report.loss, val, report.seconds
         )
 
-    trainer = Trainer(project, VolunteerBackend(coordinator.products))
+    trainer = Trainer(project, VolunteerBackend(coordinator.products, loop))
     coordinator.progress.history = read_history(trainer.metrics)
-    trainer.on_checkpoint = coordinator.products.prune
-    training = asyncio.create_task(trainer.run(on_step=on_step))
+    # The trainer runs on a thread of its own: what it reports and prunes, it hands back here.
+    trainer.on_checkpoint = lambda step: on_loop(coordinator.products.prune(step), loop)
+    thread = TrainingThread(
+        lambda: trainer.run(on_step=lambda report: loop.call_soon_threadsafe(on_step, report))
+    )
+    training = asyncio.create_task(thread.run())
     stopper = asyncio.create_task(stop.wait())
     passes = {coordinator.loop} if coordinator.loop is not None else set()
     try:
@@ -170,3 +153,8 @@ async def _train(coordinator: Coordinator, project: Project, url: str, keep_serv
         return 130
     finally:
         stopper.cancel()
+        if not training.done():
+            # Cancelled from outside: the training thread must not outlive the server.
+            training.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await training

@@ -119,28 +119,54 @@ class Trainer:
         corpus = self._corpus()
         if step:
             log.info("resuming after step %d from %s", step, self.project.checkpoints)
-        while step < last:
-            step += 1
-            started = time.perf_counter()
-            if hasattr(self.backend, "step"):
-                self.backend.step = step
-            x, y = corpus.batch(t.seed, step, t.batch_size, self.project.model.context)
-            loss, grads = await self.model.loss_and_grads(params, x, y)
-            lr = learning_rate(step, t.steps, opt)
-            params, state, norm = adamw_step(params, grads, state, lr, opt)
-            report = StepReport(step, t.steps, loss, lr, norm, time.perf_counter() - started)
-            if step % t.eval_every == 0 or step == t.steps:
-                report.val_loss = await self.evaluate(params, step)
-            if step % t.checkpoint_every == 0 or step == last:
-                await asyncio.to_thread(
-                    checkpoints.save, self.project.checkpoints, step, params, state
-                )
-                if self.on_checkpoint is not None:
-                    await self.on_checkpoint(step)
-            self._record(report)
-            if on_step:
-                on_step(report)
+        reported: asyncio.Task | None = None  # the previous step's report, in order
+        try:
+            while step < last:
+                step += 1
+                started = time.perf_counter()
+                if hasattr(self.backend, "step"):
+                    self.backend.step = step
+                x, y = corpus.batch(t.seed, step, t.batch_size, self.project.model.context)
+                loss, grads = await self.model.loss_and_grads(params, x, y)
+                lr = learning_rate(step, t.steps, opt)
+                params, state, norm = adamw_step(params, grads, state, lr, opt)
+                report = StepReport(step, t.steps, loss, lr, norm, time.perf_counter() - started)
+                evaluation = None
+                if step % t.eval_every == 0 or step == t.steps:
+                    # On a worker thread, beside the next step: it changes no weight.
+                    frozen = {name: p.copy() for name, p in params.items()}
+                    evaluation = asyncio.create_task(
+                        asyncio.to_thread(asyncio.run, self.evaluate(frozen, step))
+                    )
+                if step % t.checkpoint_every == 0 or step == last:
+                    await asyncio.to_thread(
+                        checkpoints.save, self.project.checkpoints, step, params, state
+                    )
+                    if self.on_checkpoint is not None:
+                        await self.on_checkpoint(step)
+                reported = asyncio.create_task(self._report(reported, report, evaluation, on_step))
+            if reported is not None:
+                await reported
+        finally:
+            if reported is not None and not reported.done():
+                reported.cancel()
         return params
+
+    async def _report(
+        self,
+        previous: asyncio.Task | None,
+        report: StepReport,
+        evaluation: asyncio.Task | None,
+        on_step: Callable[[StepReport], None] | None,
+    ) -> None:
+        """Record a step once the one before it is recorded and its evaluation is done."""
+        if previous is not None:
+            await previous
+        if evaluation is not None:
+            report.val_loss = await evaluation
+        self._record(report)
+        if on_step:
+            on_step(report)
 
     def _record(self, r: StepReport) -> None:
         line = {

@@ -1,0 +1,101 @@
+"""Where the training loop meets the engine: the trainer on a thread of its own, its linear
+layers' products sent to the coordinator's event loop as work units.
+
+The model's own arithmetic (element-wise work, attention, the optimizer, evaluation,
+checkpoints) runs on the training thread with its own event loop, so the server's loop never
+waits for it: work requests, reports and status are answered at every moment of a step."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections.abc import Awaitable, Callable, Coroutine
+from typing import Any, TypeVar
+
+import numpy as np
+
+from coordinator.engine.products import Products
+from coordinator.training.trainer import batched_gemm
+
+T = TypeVar("T")
+
+
+class VolunteerBackend:
+    """Linear-layer products as work units for volunteers; attention in this process.
+
+    Called from the training thread; each product is awaited on the coordinator's loop."""
+
+    def __init__(self, products: Products, loop: asyncio.AbstractEventLoop) -> None:
+        self.products = products
+        self.loop = loop  # the coordinator's event loop
+        self.step = 0
+
+    async def matmul(self, a, b, *, trans_a: bool, trans_b: bool, label: str) -> np.ndarray:
+        product = self.products.matmul(
+            np.ascontiguousarray(a, dtype=np.float32),
+            np.ascontiguousarray(b, dtype=np.float32),
+            trans_a=trans_a,
+            trans_b=trans_b,
+            step=self.step,
+            label=label,
+        )
+        return await on_loop(product, self.loop)
+
+    batched = staticmethod(batched_gemm)
+
+
+def on_loop(coroutine: Coroutine[Any, Any, T], loop: asyncio.AbstractEventLoop) -> Awaitable[T]:
+    """Run `coroutine` on another thread's `loop` and await it from this one; cancelling the
+    wait cancels it there too."""
+    return asyncio.wrap_future(asyncio.run_coroutine_threadsafe(coroutine, loop))
+
+
+class TrainingThread:
+    """Runs one coroutine on a new thread with its own event loop, awaitable from this loop.
+
+    Cancelling `run()` cancels the coroutine on its thread and waits for the thread to end,
+    so nothing of the training loop outlives the coordinator that stops it."""
+
+    def __init__(self, make: Callable[[], Coroutine[Any, Any, T]]) -> None:
+        self.make = make
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._task: asyncio.Task | None = None
+        self._started = threading.Event()
+
+    async def run(self) -> T:
+        caller = asyncio.get_running_loop()
+        done: asyncio.Future = caller.create_future()
+        # Marked retrieved: once run() is cancelled, nobody awaits the outcome any more.
+        done.add_done_callback(lambda f: f.cancelled() or f.exception())
+
+        def settle(value: Any, error: BaseException | None) -> None:
+            if done.done():
+                return
+            if error is None:
+                done.set_result(value)
+            else:
+                done.set_exception(error)
+
+        def target() -> None:
+            loop = asyncio.new_event_loop()
+            self._loop = loop
+            self._task = loop.create_task(self.make())
+            self._started.set()
+            try:
+                value = loop.run_until_complete(self._task)
+                caller.call_soon_threadsafe(settle, value, None)
+            except BaseException as exc:  # handed to whoever awaits run()
+                caller.call_soon_threadsafe(settle, None, exc)
+            finally:
+                loop.run_until_complete(loop.shutdown_asyncgens())
+                loop.close()
+
+        thread = threading.Thread(target=target, name="tilehive-training", daemon=True)
+        thread.start()
+        try:
+            return await asyncio.shield(done)
+        except asyncio.CancelledError:
+            await asyncio.to_thread(self._started.wait)
+            self._loop.call_soon_threadsafe(self._task.cancel)
+            await asyncio.to_thread(thread.join)
+            raise
