@@ -106,10 +106,11 @@ def measure(directory: Path, timeout: float) -> list[float]:
     return latencies
 
 
-def run(quick: bool = False) -> list[Row]:
+def run(quick: bool = False, models: tuple[str, ...] = tuple(MODELS)) -> list[Row]:
     rows = []
     with tempfile.TemporaryDirectory(prefix="tilehive-responsiveness-") as tmp:
-        for name, settings in MODELS.items():
+        for name in models:
+            settings = MODELS[name]
             steps = 2 if quick or name == "larger" else 6
             directory = Path(tmp) / name
             projects.create(
@@ -144,8 +145,9 @@ def run(quick: bool = False) -> list[Row]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="fewer steps")
+    parser.add_argument("--model", action="append", choices=list(MODELS), help="only these")
     args = parser.parse_args()
-    for row in run(args.quick):
+    for row in run(args.quick, tuple(args.model or MODELS)):
         print(f"{row.area} {row.measure}: {row.value} {row.bar} {row.verdict}  ({row.note})")
 
 

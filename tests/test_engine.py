@@ -71,8 +71,10 @@ async def test_a_product_computed_by_two_hosts_has_the_kernels_bits(engine, rng,
     np.testing.assert_array_equal(bits(product), bits(expected))
     assert reported == [6, 6]  # quorum: each host computed one replica of each of 3x2 tiles
     assert engine.products.outputs == {}  # the finished product left memory
-    counts = await engine.store.workunit_counts()
-    assert counts == {"assimilated": 6}
+    await engine.ledger.flush()
+    assert await engine.store.workunit_counts() == {"assimilated": 6}
+    # Status counts the whole project from memory, as the store does.
+    assert engine.progress.full_status()["workunits"] == {"assimilated": 6}
 
 
 async def test_stored_work_replies_are_pruned_by_age_and_count(engine, rng):

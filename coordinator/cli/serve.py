@@ -25,6 +25,8 @@ from coordinator.training.trainer import StepReport, Trainer
 
 log = logging.getLogger(__name__)
 
+SWITCH_INTERVAL = 0.0005  # seconds a thread may hold the GIL while another waits
+
 
 def coordinator_config(project: Project) -> CoordinatorConfig:
     work, access = project.work, project.access
@@ -75,6 +77,10 @@ def announce(text: str) -> None:
 
 async def host_project(project: Project, bind_host: str, port: int, keep_serving: bool) -> int:
     """Serve and train until the project's steps are done; returns the exit code."""
+    # The training thread computes while this one serves: every time the server's loop
+    # waits on a socket it must win the GIL back, and at Python's default 5 ms a request
+    # of a dozen such waits takes tens of milliseconds (the convoy effect).
+    sys.setswitchinterval(SWITCH_INTERVAL)
     coordinator = Coordinator(
         coordinator_config(project), SqliteStore(project.directory / "state.db")
     )

@@ -54,7 +54,7 @@ class Coordinator:
         rng = random.Random(config.seed) if config.seed is not None else random.SystemRandom()
         self.scheduler = Scheduler(self.ledger, config.scheduler, rng)
         self.stats = {"bytes_saved": 0, "tiles_in": 0, "work_requests": 0, "invalid": 0}
-        self.progress = Progress(self.ledger, store, self.stats)
+        self.progress = Progress(self.ledger, self.stats)
         self.metrics = self.progress.metrics
         self.hosts = HostRegistry(self.ledger, self.access, config.trust)
         self.requests = WorkRequests(config, self.ledger, store, self.scheduler, self.stats)

@@ -7,16 +7,14 @@ from collections import deque
 
 from coordinator.engine.metrics import Metrics
 from coordinator.state.ledger import Ledger
-from coordinator.state.store import Store
 from coordinator.work.records import GemmState
 
 ACTIVE_WITHIN = 300.0  # seconds since its last contact for a host to count as active
 
 
 class Progress:
-    def __init__(self, ledger: Ledger, store: Store, stats: dict) -> None:
+    def __init__(self, ledger: Ledger, stats: dict) -> None:
         self.ledger = ledger
-        self.store = store
         self.stats = stats
         self.training: dict = {}  # step, steps, loss: set by the training loop
         self.history: list[dict] = []  # one entry per step: loss, val_loss, seconds
@@ -59,12 +57,12 @@ class Progress:
                 states["idle"] += 1
         return states
 
-    async def full_status(self) -> dict:
-        """status() with the counts of the whole project, finished products included."""
-        await self.ledger.flush()
+    def full_status(self) -> dict:
+        """status() with the counts of the whole project, finished products included. From
+        memory: a status request never queues behind a commit."""
         summary = self.status()
-        summary["workunits"] = await self.store.workunit_counts()
-        summary["invalid"] = await self.store.invalid_count()
+        summary["workunits"] = {s: n for s, n in self.ledger.workunit_counts.items() if n}
+        summary["invalid"] = self.ledger.invalid_count
         return summary
 
     def status(self) -> dict:

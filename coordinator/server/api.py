@@ -168,7 +168,7 @@ async def blob(request: web.Request) -> web.StreamResponse:
 
 async def status(request: web.Request) -> web.Response:
     co = request.app[COORDINATOR]
-    return web.json_response(await co.progress.full_status())
+    return web.json_response(co.progress.full_status())
 
 
 async def metrics(request: web.Request) -> web.Response:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 import heapq
 import math
-from collections import defaultdict
+from collections import Counter, defaultdict
 from collections.abc import Callable
 
 from coordinator.state.store import Batch, Reply, Snapshot, Store
@@ -17,6 +17,7 @@ from coordinator.work.records import (
     Host,
     Result,
     ServerState,
+    ValidateState,
     WorkUnit,
 )
 
@@ -48,6 +49,9 @@ class Ledger:
         self.due: list[tuple[float, str]] = []
         # Work units changed by a report or a decision, for the transitioner's next pass.
         self.touched: set[str] = set()
+        # Of the whole project, finished products included, so status never reads the store.
+        self.workunit_counts: Counter[str] = Counter()
+        self.invalid_count = 0
         self._batch = Batch()
         self._lock = asyncio.Lock()
         self.on_unsent: Callable[[], None] | None = None  # new work for waiting hosts
@@ -72,6 +76,10 @@ class Ledger:
         self._batch.hosts[host.id] = host
 
     def put_wu(self, wu: WorkUnit) -> None:
+        old = self.wus.get(wu.id)
+        if old is not None:
+            self.workunit_counts[old.state.value] -= 1
+        self.workunit_counts[wu.state.value] += 1
         self.wus[wu.id] = wu
         self.wus_of[wu.gemm_id][wu.id] = None
         self._batch.workunits[wu.id] = wu
@@ -93,6 +101,10 @@ class Ledger:
 
     def put_result(self, result: Result) -> None:
         old = self.results.get(result.id)
+        if result.validate_state is ValidateState.INVALID and (
+            old is None or old.validate_state is not ValidateState.INVALID
+        ):
+            self.invalid_count += 1
         if old is not None:
             self._unindex(old)
         self.results[result.id] = result
@@ -146,6 +158,8 @@ class Ledger:
 
     def restore(self, snapshot: Snapshot) -> None:
         """Fill memory from committed state (at start, nothing is queued)."""
+        self.workunit_counts = Counter(snapshot.workunit_counts)
+        self.invalid_count = snapshot.invalid_count
         for host in snapshot.hosts:
             self.hosts[host.id] = host
             self.host_by_token[host.token_hash] = host.id

@@ -138,7 +138,14 @@ class QueryStore(Store):
             wus, res = await self.gemm_work(gemm.id)
             workunits += wus
             results += res
-        return Snapshot(hosts=hosts, gemms=gemms, workunits=workunits, results=results)
+        return Snapshot(
+            hosts=hosts,
+            gemms=gemms,
+            workunits=workunits,
+            results=results,
+            workunit_counts=await self.workunit_counts(),
+            invalid_count=await self.invalid_count(),
+        )
 
     async def gemm(self, gemm_id: str) -> Gemm | None:
         rows = await self._query("select_gemm", id=gemm_id)

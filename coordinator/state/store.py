@@ -54,6 +54,8 @@ class Snapshot:
     gemms: list[Gemm]  # the active ones
     workunits: list[WorkUnit]  # of the active GEMMs
     results: list[Result]  # of those work units
+    workunit_counts: dict[str, int] = field(default_factory=dict)  # of the whole project
+    invalid_count: int = 0  # results ever judged invalid
 
 
 class Store(abc.ABC):
