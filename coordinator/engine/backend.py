@@ -8,8 +8,11 @@ waits for it: work requests, reports and status are answered at every moment of 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import os
 import threading
 from collections.abc import Awaitable, Callable, Coroutine
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
 import numpy as np
@@ -18,6 +21,8 @@ from coordinator.engine.products import Products
 from coordinator.training.trainer import batched_gemm
 
 T = TypeVar("T")
+
+TRAINING_NICE = 5  # the training thread's nice value above the server's
 
 
 class VolunteerBackend:
@@ -50,6 +55,14 @@ def on_loop(coroutine: Coroutine[Any, Any, T], loop: asyncio.AbstractEventLoop) 
     return asyncio.wrap_future(asyncio.run_coroutine_threadsafe(coroutine, loop))
 
 
+def lower_priority() -> None:
+    """Let the server's thread run first when the cores are busy: it only ever needs a
+    moment, and a request waiting for a core waits a whole time slice (Linux: a thread may
+    raise its own nice value; elsewhere this does nothing)."""
+    with contextlib.suppress(AttributeError, OSError):
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), TRAINING_NICE)
+
+
 class TrainingThread:
     """Runs one coroutine on a new thread with its own event loop, awaitable from this loop.
 
@@ -77,7 +90,14 @@ class TrainingThread:
                 done.set_exception(error)
 
         def target() -> None:
+            lower_priority()
             loop = asyncio.new_event_loop()
+            # Checkpoints and evaluation run on this loop's worker threads: niced as well.
+            loop.set_default_executor(
+                ThreadPoolExecutor(
+                    thread_name_prefix="tilehive-training", initializer=lower_priority
+                )
+            )
             self._loop = loop
             self._task = loop.create_task(self.make())
             self._started.set()
@@ -88,6 +108,7 @@ class TrainingThread:
                 caller.call_soon_threadsafe(settle, None, exc)
             finally:
                 loop.run_until_complete(loop.shutdown_asyncgens())
+                loop.run_until_complete(loop.shutdown_default_executor())
                 loop.close()
 
         thread = threading.Thread(target=target, name="tilehive-training", daemon=True)
