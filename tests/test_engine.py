@@ -19,18 +19,30 @@ from coordinator.state.memory import MemoryStore
 from coordinator.work.protocol import RegisterRequest, ReportRequest, ResultReport, WorkRequest
 from coordinator.work.records import Policy
 from tests.conftest import bits, operands
+from tests.volunteers import wait_until
 
 
-async def honest_host(co: Coordinator, name: str, stop: asyncio.Event) -> int:
+async def honest_host(
+    co: Coordinator, name: str, stop: asyncio.Event, behaviour: str = "honest"
+) -> int:
     """Ask (long-polling), compute with the real kernel, report, until stopped; returns how
-    many tiles it reported."""
+    many results it reported. An "error" host reports a client error for everything it
+    gets; an "abandon" host gives everything back and asks again, naming its panels cached
+    to steer the scheduler back to the same work."""
     host, _ = await co.hosts.register(RegisterRequest(name, 10.0, 1, 512), time.time())
-    reported = 0
+    reported, cached = 0, ()
     while not stop.is_set():
-        request = WorkRequest(f"{name}-{reported}-{time.monotonic_ns()}", 8, (), (), None, True)
+        request = WorkRequest(f"{name}-{reported}-{time.monotonic_ns()}", 8, cached, (), None, True)
         reply = msgpack.unpackb(await co.requests.request_work(host, request, time.time()))
         entries = []
         for a in reply["assignments"]:
+            if behaviour == "error":
+                entries.append(ResultReport(a["result_id"], None, None, "out of memory", 0.0))
+                continue
+            if behaviour == "abandon":
+                entries.append(ResultReport(a["result_id"], None, None, None, 0.0, True))
+                cached = (a["a"], a["b"])
+                continue
             tile = kernels.gemm(
                 co.blobs.get_array(a["a"]),
                 co.blobs.get_array(a["b"]),
@@ -91,3 +103,48 @@ async def test_stored_work_replies_are_pruned_by_age_and_count(engine, rng):
     assert await engine.store.reply_count() == stored  # young, and under the count
     await engine.requests.prune_replies(time.time() + engine.config.reply_ttl + 1)
     assert await engine.store.reply_count() == 0
+
+
+async def test_hosts_that_err_on_a_work_unit_cannot_stop_the_product(engine, rng):
+    """Five fresh hosts each take a replica and report an error: the work unit's error
+    budget runs out, the coordinator computes the tile itself, and the product is exact."""
+    a, b = operands(rng, 16, 16, 8, False, False)  # one tile
+    stop = asyncio.Event()
+    product = asyncio.create_task(engine.products.matmul(a, b))
+    liars = [asyncio.create_task(honest_host(engine, f"e{i}", stop, "error")) for i in range(6)]
+    result = await asyncio.wait_for(product, 30)
+    stop.set()
+    await asyncio.gather(*liars)
+    np.testing.assert_array_equal(bits(result), bits(kernels.gemm(a, b)))
+    await engine.ledger.flush()
+    events = await engine.store.events(kind="wu")
+    assert any(e.state == "exhausted" and "too many errors" in e.message for e in events)
+    assert any("computed by the coordinator" in e.message for e in events)
+    assert sum(1 for h in engine.ledger.hosts.values() if h.error_count) >= 5  # they pay
+
+
+async def test_a_host_never_gets_back_a_tile_it_handed_back(tmp_path, rng):
+    """Under Freivalds one replica decides; a host that gives its tile back and asks again
+    (naming the panels as cached) is not given the same work unit again, so it cannot spend
+    the work unit's budget; an honest host then computes it."""
+    config = CoordinatorConfig(
+        directory=tmp_path, tile=16, policy=Policy.FREIVALDS, seed=1, long_poll=0.05
+    )
+    co = Coordinator(config, MemoryStore())
+    await co.start()
+    try:
+        a, b = operands(rng, 16, 16, 8, False, False)
+        stop = asyncio.Event()
+        product = asyncio.create_task(co.products.matmul(a, b))
+        quitter = asyncio.create_task(honest_host(co, "quitter", stop, "abandon"))
+        await wait_until(lambda: co.stats["work_requests"] >= 5)
+        assert not product.done()  # nobody else may compute it yet
+        honest = asyncio.create_task(honest_host(co, "honest", stop))
+        result = await asyncio.wait_for(product, 30)
+        stop.set()
+        handed_back, computed = await asyncio.gather(quitter, honest)
+        assert handed_back == 1  # given once, never again
+        assert computed == 1
+        np.testing.assert_array_equal(bits(result), bits(kernels.gemm(a, b)))
+    finally:
+        await co.stop()

@@ -141,7 +141,7 @@ def test_result_past_its_deadline_becomes_no_reply_and_a_replica_is_issued(late_
     assert fresh[0].host_id is None
     assert fresh[0].wu_id == WU_ID
     assert change.wu.state is WuState.ACTIVE
-    assert change.failed is None
+    assert change.exhausted is None
     messages = [(e.state, e.result_id, e.host_id) for e in change.events]
     assert ("no_reply", "r1", 7) in messages
     assert ("unsent", fresh[0].id, None) in messages
@@ -255,9 +255,11 @@ def _errors(n_error: int, n_no_reply: int, n_invalid: int) -> list[Result]:
         pytest.param(0, 0, 0, 0, False, id="no errors at all"),
     ],
 )
-def test_more_errors_than_max_error_results_fails_the_wu(
+def test_more_errors_than_max_error_results_ends_the_crowds_share(
     max_errors, n_error, n_no_reply, n_invalid, fails
 ):
+    """The work unit is not failed (a training step is no volunteer's hostage): it stays
+    active with the reason in its error mask, and the coordinator computes it."""
     wu = make_wu(max_error_results=max_errors, max_total_results=100)
     results = [*_errors(n_error, n_no_reply, n_invalid), unsent("spare")]
 
@@ -265,21 +267,34 @@ def test_more_errors_than_max_error_results_fails_the_wu(
 
     if not fails:
         assert change.wu.state is WuState.ACTIVE
-        assert change.failed is None
+        assert change.exhausted is None
         assert len(new_replicas(change, results)) == 1  # target 2 minus the spare
         return
-    assert change.wu.state is WuState.ERROR
+    assert change.wu.state is WuState.ACTIVE
     assert change.wu.error_mask & WuError.TOO_MANY_ERRORS
     assert not change.wu.error_mask & WuError.TOO_MANY_TOTAL
     n = n_error + n_invalid
-    assert change.failed is not None
-    assert f"too many errors: {n} failed or invalid results" in change.failed
-    assert f"max_error_results={max_errors}" in change.failed
+    assert change.exhausted is not None
+    assert f"too many errors: {n} failed or invalid results" in change.exhausted
+    assert f"max_error_results={max_errors}" in change.exhausted
     assert new_replicas(change, results) == []
     spare = changed(change)["spare"]
     assert (spare.server_state, spare.outcome) == (ServerState.OVER, Outcome.DIDNT_NEED)
     assert change.wu.transition_time == math.inf
-    assert [e.message for e in change.events if e.kind == "wu"] == [change.failed]
+    (event,) = [e for e in change.events if e.kind == "wu"]
+    assert event.state == "exhausted"
+    assert event.message == f"{change.exhausted}: the coordinator computes the tile itself"
+
+
+def test_errors_of_one_host_count_once():
+    """One host erring again and again must not spend the work unit's budget alone."""
+    wu = make_wu(max_error_results=1, max_total_results=100)
+    results = [client_error(f"e{i}", host=7) for i in range(5)]
+
+    change = run(wu, results)
+
+    assert change.exhausted is None
+    assert len(new_replicas(change, results)) == 2
 
 
 def test_timeouts_are_no_evidence_against_the_work_and_never_reach_the_error_cap():
@@ -295,7 +310,7 @@ def test_timeouts_are_no_evidence_against_the_work_and_never_reach_the_error_cap
 
     more = [*results, no_reply("e4", 5), no_reply("e5", 6), in_progress("r6", 7, NOW - 1)]
     change = run(wu, more)
-    assert change.wu.state is WuState.ERROR
+    assert change.exhausted is not None
     assert change.wu.error_mask == WuError.TOO_MANY_TOTAL
 
 
@@ -324,20 +339,20 @@ def test_failing_keeps_earlier_error_bits():
         pytest.param(2, [*_errors(2, 0, 0)], True, id="two more needed, none allowed"),
     ],
 )
-def test_more_results_than_max_total_results_fails_the_wu(max_total, results, fails):
+def test_more_results_than_max_total_results_ends_the_crowds_share(max_total, results, fails):
     wu = make_wu(max_total_results=max_total, max_error_results=10)
 
     change = run(wu, results)
 
     if not fails:
         assert change.wu.state is WuState.ACTIVE
-        assert change.failed is None
+        assert change.exhausted is None
         assert len(results) + len(new_replicas(change, results)) <= max_total
         return
-    assert change.wu.state is WuState.ERROR
+    assert change.wu.state is WuState.ACTIVE
     assert change.wu.error_mask == WuError.TOO_MANY_TOTAL
-    assert f"too many results: {len(results)} issued" in change.failed
-    assert f"max_total_results={max_total}" in change.failed
+    assert f"too many results: {len(results)} issued" in change.exhausted
+    assert f"max_total_results={max_total}" in change.exhausted
     assert new_replicas(change, results) == []
     assert change.wu.transition_time == math.inf
 
@@ -370,7 +385,7 @@ def test_decided_wu_cancels_unsent_replicas_and_issues_nothing(state):
         assert (r.server_state, r.outcome) == (ServerState.OVER, Outcome.DIDNT_NEED)
     assert change.wu.state is state
     assert change.wu.transition_time == math.inf
-    assert change.failed is None
+    assert change.exhausted is None
 
 
 # ---- transition time -----------------------------------------------------------------------
@@ -408,10 +423,10 @@ def test_transition_time_is_never_a_moment_already_handled(deadline):
     assert change.wu.transition_time > NOW
 
 
-def test_a_failed_wu_aborts_its_in_progress_replicas_so_their_hosts_drop_them():
+def test_an_exhausted_wu_aborts_its_in_progress_replicas_so_their_hosts_drop_them():
     errors = [over(f"e{i}", Outcome.CLIENT_ERROR, host=i) for i in range(5)]
     out = transition(make_wu(), [*errors, in_progress("busy", host=9)], NOW, iter(["x"]).__next__)
-    assert out.wu.state is WuState.ERROR
+    assert out.exhausted is not None
     (busy,) = [r for r in out.results if r.id == "busy"]
     assert busy.server_state is ServerState.OVER and busy.outcome is Outcome.ABORTED
 

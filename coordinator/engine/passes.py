@@ -106,18 +106,25 @@ class Passes:
                 await self.validate(wu_id, now)
         finally:
             self.products.tiles.clear()
-        for wu_id in sorted(self.ledger.pop_due(now)):
-            self._transition(wu_id, now)
+        exhausted = [
+            wu_id for wu_id in sorted(self.ledger.pop_due(now)) if self._transition(wu_id, now)
+        ]
+        try:
+            for wu_id in exhausted:
+                await self._last_resort(wu_id, now)
+        finally:
+            self.products.tiles.clear()
         self._accelerate_tails(now)
         self.after_pass(now)
         await self.ledger.flush()
 
-    def _transition(self, wu_id: str, now: float) -> None:
+    def _transition(self, wu_id: str, now: float) -> bool:
+        """Move a due work unit on; True when the crowd's budget for it just ran out."""
         wu = self.ledger.wus[wu_id]
         if wu.state in (WuState.ASSIMILATED, WuState.ERROR) and not any(
             r.server_state is ServerState.UNSENT for r in self.ledger.results_for(wu_id)
         ):
-            return
+            return False
         change = transition(wu, self.ledger.results_for(wu_id), now, new_result_id)
         for result in change.results:
             if result.outcome is Outcome.NO_REPLY and result.host_id in self.ledger.hosts:
@@ -128,8 +135,25 @@ class Passes:
         if change.wu != wu:
             self.ledger.put_wu(change.wu)
         self.ledger.log(change.events)
-        if change.failed:
-            self.products.fail(change.wu, change.failed, now)
+        if change.exhausted:
+            log.warning(
+                "step %d: work unit %s [%d:%d, %d:%d]: %s; the coordinator computes it",
+                wu.step,
+                wu.id[:12],
+                wu.i0,
+                wu.i1,
+                wu.j0,
+                wu.j1,
+                change.exhausted,
+            )
+        return change.exhausted is not None
+
+    async def _last_resort(self, wu_id: str, now: float) -> None:
+        """Compute the tile here, judge the results that came in against it (a liar among
+        them loses its trust as usual), and assimilate it."""
+        wu = await self.products.compute_here(self.ledger.wus[wu_id], now)
+        await self.validate(wu.id, now)
+        await self.products.assimilate(self.ledger.wus[wu.id], now)
 
     async def validate(self, wu_id: str, now: float) -> None:
         wu = self.ledger.wus.get(wu_id)

@@ -113,12 +113,22 @@ def takes_replacement(host: Host, wu: WorkUnit, siblings: list[Result]) -> bool:
     """Whether a host that already had a replica of wu may get another. Under a quorum never:
     a late report of its first one still counts, and one host must not be two votes. A
     work unit that one replica decides (Freivalds) may go back to a host whose replicas all
-    timed out or were given back, so that a project with a single volunteer goes on after a
-    missed deadline; not to one that erred on it or still holds it."""
+    timed out, so that a project with a single volunteer goes on after a missed deadline;
+    not to one that gave it back (it would take it back, and give it back, until the work
+    unit's budget ran out), erred on it or still holds it."""
     if wu.min_quorum > 1:
         return False
     mine = [r for r in siblings if r.host_id == host.id]
-    return all(r.server_state is ServerState.OVER and r.outcome is Outcome.NO_REPLY for r in mine)
+    return all(timed_out(r) for r in mine)
+
+
+def timed_out(result: Result) -> bool:
+    """Missed its deadline; a result given back has its received time, a timed-out one none."""
+    return (
+        result.server_state is ServerState.OVER
+        and result.outcome is Outcome.NO_REPLY
+        and result.received_time is None
+    )
 
 
 def wants_tile(wu_results: list[Result]) -> bool:

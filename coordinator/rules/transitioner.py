@@ -2,8 +2,10 @@
 
 `transition` is pure: given a work unit, its results and the time, it returns the new
 versions and the log lines, following BOINC's transitioner (sched/transitioner.cpp):
-timeouts become NO_REPLY; replicas needed = target - unsent - in progress - success; too many
-errors or too many results fail the work unit for good.
+timeouts become NO_REPLY; replicas needed = target - unsent - in progress - success. Unlike
+BOINC, too many errors or too many results do not fail the work unit (a training step must
+not be hostage to its volunteers): the crowd's share of it is over, and the coordinator
+computes the tile itself.
 """
 
 from __future__ import annotations
@@ -21,7 +23,6 @@ from coordinator.work.records import (
     ValidateState,
     WorkUnit,
     WuError,
-    WuState,
 )
 
 
@@ -32,7 +33,9 @@ class Transition:
     wu: WorkUnit
     results: list[Result] = field(default_factory=list)
     events: list[Event] = field(default_factory=list)
-    failed: str | None = None  # set when the work unit failed for good just now
+    # Set when the crowd's budget for the work unit ran out just now: why. The coordinator
+    # then computes the tile itself.
+    exhausted: str | None = None
 
 
 def _event(wu: WorkUnit, now: float, state: str, message: str, result: Result | None = None):
@@ -40,8 +43,10 @@ def _event(wu: WorkUnit, now: float, state: str, message: str, result: Result | 
 
 
 def counts(results: list[Result]) -> dict[str, int]:
-    """BOINC's tallies of a work unit's results."""
+    """BOINC's tallies of a work unit's results; errors count once per host, so that one
+    host cannot spend the work unit's error budget alone."""
     tally = {"unsent": 0, "in_progress": 0, "success": 0, "errors": 0, "total": len(results)}
+    erred: set[int | None] = set()
     for r in results:
         if r.server_state is ServerState.UNSENT:
             tally["unsent"] += 1
@@ -55,7 +60,8 @@ def counts(results: list[Result]) -> dict[str, int]:
             # Evidence against the work itself. A timeout or a hand-back is not (BOINC
             # counts it; a training step would then die of churn): those are bounded by
             # max_total_results alone.
-            tally["errors"] += 1
+            erred.add(r.host_id)
+    tally["errors"] = len(erred)
     return tally
 
 
@@ -114,19 +120,19 @@ def transition(
             if r.server_state is ServerState.UNSENT:
                 change(
                     r.evolve(server_state=ServerState.OVER, outcome=Outcome.DIDNT_NEED),
-                    "not needed: the work unit failed",
+                    "not needed: the coordinator computes the tile",
                 )
             elif r.server_state is ServerState.IN_PROGRESS:
                 # Its host is told to drop it in its next work reply.
                 change(
                     r.evolve(server_state=ServerState.OVER, outcome=Outcome.ABORTED),
-                    "aborted: the work unit failed",
+                    "aborted: the coordinator computes the tile",
                 )
-        out.wu = wu.evolve(
-            state=WuState.ERROR, error_mask=wu.error_mask | mask, transition_time=math.inf
+        out.wu = wu.evolve(error_mask=wu.error_mask | mask, transition_time=math.inf)
+        out.events.append(
+            _event(wu, now, "exhausted", f"{reason}: the coordinator computes the tile itself")
         )
-        out.events.append(_event(wu, now, WuState.ERROR.value, reason))
-        out.failed = reason
+        out.exhausted = reason
         return out
 
     for _ in range(max(0, needed)):
