@@ -30,7 +30,9 @@ from coordinator.work.records import (
 )
 
 NOW = 5_000.0
-CONFIG = SchedulerConfig(deadline_floor=5.0, deadline_slack=20.0, trust_threshold=10)
+CONFIG = SchedulerConfig(
+    deadline_floor=5.0, deadline_slack=20.0, trust_threshold=10, adaptive_replication=True
+)
 
 
 # ---- factories -----------------------------------------------------------------------------

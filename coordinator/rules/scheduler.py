@@ -40,7 +40,10 @@ class SchedulerConfig:
     deadline_floor: float = 5.0  # seconds any host gets, however fast
     deadline_slack: float = 20.0  # times the host's expected compute time
     trust_threshold: int = 10  # consecutive valid results before adaptive replication
-    adaptive_replication: bool = True  # off: every work unit gets its full replication
+    # On: a host with a long valid record may get a work unit alone, Freivalds-checked. Off
+    # (the default): every work unit gets its full replication, so a trusted host that turns
+    # liar below the Freivalds tolerance is still caught (docs/security.md).
+    adaptive_replication: bool = False
     # A host with trust_threshold valid results in a row may hold this many seconds of work
     # at its measured speed, up to max_quota results, beyond its standing's count (see
     # quota): enough to hide round trips behind tiles of a millisecond, not so much that a

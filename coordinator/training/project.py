@@ -65,7 +65,7 @@ class WorkSettings:
     max_error_results: int = 4
     max_total_results: int = 24
     delay_bound: float = 60.0
-    adaptive_replication: bool = True
+    adaptive_replication: bool = False
 
 
 @dataclass(frozen=True)
@@ -256,9 +256,10 @@ min_quorum = {work.min_quorum}            # identical results needed
 max_error_results = {work.max_error_results}     # client errors + invalid results before it fails
 max_total_results = {work.max_total_results}     # results of any kind, timeouts too
 delay_bound = {work.delay_bound}         # seconds a volunteer has for one tile
-adaptive_replication = {adaptive}   # trusted hosts may get tiles alone, Freivalds-checked;
-                              # false: every tile gets its quorum (bitwise even against a
-                              # trusted host that turns liar, at twice the compute)
+adaptive_replication = {adaptive}  # false: every tile gets its quorum, bitwise even against
+                              # a trusted host that turns liar; true: trusted hosts may get
+                              # tiles alone, Freivalds-checked (less compute, but a lie below
+                              # the check's tolerance then passes: docs/security.md)
 
 [access]                    # who may join, how often; the admin token is in admin.token
 invite_code = "{access.invite_code}"          # non-empty: volunteers must register with it
