@@ -182,7 +182,9 @@ class PullLoop(CoordinatorSession):
             return
         room = self._capacity()
         reply = None
-        if time_to_ask(len(self.queue), room, self.short) or (self.pending and not self.queue):
+        # With nothing queued it always asks, for no work if it has no room: a heartbeat
+        # that lists what it holds (and is where aborts come back), never a spin.
+        if not self.queue or time_to_ask(len(self.queue), room, self.short):
             await self._flush()
             reply = await self._ask(room)
         if self.queue:
