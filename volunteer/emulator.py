@@ -1,10 +1,11 @@
 """The device emulator: many volunteers in one process, each speaking the real protocol.
 
-Every emulated host registers, asks for work, fetches and verifies operands, and reports
-tiles over real HTTP through one shared connection pool. What a host's hardware and network
-would take (compute time, transfer time, round trips, sessions) is modelled with asyncio
-sleeps drawn from its profile; what goes over the wire is real. docs/emulator.md says which
-is which.
+Every emulated host runs the daemon's own pull loop (volunteer/loop.py): it registers, asks
+for work, fetches and verifies operands, and reports tiles over real HTTP through one shared
+connection pool. What a host's hardware and network would take (compute time, transfer time,
+round trips, sessions) is modelled with asyncio sleeps drawn from its profile, injected in
+the loop's primitives, as are its errors and lies; what goes over the wire is real.
+docs/emulator.md says which is which.
 """
 
 from __future__ import annotations
