@@ -277,7 +277,7 @@ async def test_a_volunteer_unknown_to_a_new_coordinator_registers_again(tmp_path
 
 
 def test_a_volunteer_asks_for_work_when_its_queue_is_down_to_half():
-    from volunteer.daemon import time_to_ask
+    from volunteer.policy import time_to_ask
 
     assert not time_to_ask(queued=5, capacity=3)  # wants 8, holds 5: not yet
     assert time_to_ask(queued=4, capacity=4)  # down to half: ask for 4
@@ -290,7 +290,7 @@ def test_a_volunteer_asks_for_work_when_its_queue_is_down_to_half():
 
 
 def test_reports_go_out_in_batches_bounded_in_results_and_bytes():
-    from volunteer.daemon import REPORT_BATCH, REPORT_BYTES, report_batch, report_due
+    from volunteer.policy import REPORT_BATCH, REPORT_BYTES, report_batch, report_due
 
     small = [{"result_id": f"r{i}", "hash": "h", "tile": b"x" * 1000} for i in range(100)]
     assert report_batch(small) == small[:REPORT_BATCH]

@@ -1,123 +1,113 @@
-"""Protocol-speaking test volunteers with knobs for misbehaviour (honest by default)."""
+"""Protocol-speaking test volunteers with knobs for misbehaviour (honest by default).
+
+A ScriptedVolunteer runs the daemon's pull loop (volunteer/loop.py) with the real kernel
+in-process; only its script is injected, as the emulator injects its model: a lie in what
+it reports, silence, a fixed capacity, and extra compute time."""
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import itertools
-from collections.abc import Awaitable, Callable
-from dataclasses import dataclass, field
-from typing import TypeVar
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
 
-import aiohttp
 import numpy as np
 
 import kernels
+from volunteer.backoff import Backoff
+from volunteer.cache import BlobCache
 from volunteer.client import CoordinatorClient, ServerRefused, compute_tile
+from volunteer.loop import PullLoop
+from volunteer.session import Quarantined
 
 MAX_BLOB = 64 << 20
-T = TypeVar("T")
 
 
 @dataclass
 class Behaviour:
     lie: bool = False  # return a wrong tile (one element changed) with its true hash
     silent: bool = False  # take work and never answer
-    capacity: int = 2
+    capacity: int = 2  # results held at most
     seconds_per_tile: float = 0.0  # simulated compute time on top of the real kernel
 
 
-@dataclass
-class ScriptedVolunteer:
-    url: str
-    name: str
-    behaviour: Behaviour = field(default_factory=Behaviour)
-    cache: dict[str, bytes] = field(default_factory=dict)
-    done: int = 0
-    taken: list[str] = field(default_factory=list)
-    host_id: int | None = None
-    token: str | None = None
-    refused: ServerRefused | None = None  # why the coordinator stopped talking to us
+class ScriptedVolunteer(PullLoop):
+    """A volunteer in the test's process. `taken` lists every result it was assigned,
+    `done` counts its tiles the coordinator took, `refused` is the 403 that stopped it."""
+
+    def __init__(self, url: str, name: str, behaviour: Behaviour | None = None) -> None:
+        self.behaviour = behaviour or Behaviour()
+        super().__init__(
+            CoordinatorClient(url, timeout=10),
+            name=name,
+            cache=BlobCache(16 * MAX_BLOB),
+            gflops=10.0,
+            # Restart tests kill the coordinator: be back within moments of its return.
+            backoff=Backoff(base=0.05, cap=0.05),
+            idle=Backoff(base=0.02, cap=0.02),
+        )
+        self.url = url
+        self.taken: list[str] = []
+        self.held: list[str] = []  # silent: computed, never reported, listed as in progress
+        self.refused: ServerRefused | None = None
+
+    @property
+    def token(self) -> str | None:
+        return self.client.token
+
+    @property
+    def done(self) -> int:
+        s = self.stats
+        return s.reported + s.late + s.duplicate
 
     async def run(self, stop: asyncio.Event) -> None:
+        """Work until `stop`, then vanish (no goodbye: tests of timeouts rely on it)."""
         try:
-            await self._work(stop)
-        except ServerRefused as exc:
-            if exc.status != 403:
-                raise
-            self.refused = exc
+            await self.session(stop)
+        except Quarantined as exc:
+            self.refused = exc.refusal
+        finally:
+            self.cancel()
+            await self.client.close()
 
-    async def _work(self, stop: asyncio.Event) -> None:
-        async with CoordinatorClient(self.url, timeout=10) as client:
-            self.host_id = await self._retry(stop, lambda: client.register(self.name, gflops=10.0))
-            self.token = client.token
-            requests = itertools.count()
-            in_progress: list[str] = []
-            while not stop.is_set():
-                request_id = f"{self.name}-{next(requests)}"
-                reply = await self._retry(
-                    stop,
-                    lambda rid=request_id, busy=tuple(in_progress): client.request_work(
-                        rid,
-                        capacity=max(0, self.behaviour.capacity - len(busy)),
-                        cached=list(self.cache),
-                        in_progress=busy,
-                    ),
-                )
-                if reply is None:
-                    return
-                assignments = reply["assignments"]
-                self.taken += [a["result_id"] for a in assignments]
-                if self.behaviour.silent:
-                    in_progress += [a["result_id"] for a in assignments]
-                if not assignments or self.behaviour.silent:
-                    with contextlib.suppress(TimeoutError):
-                        await asyncio.wait_for(stop.wait(), timeout=max(reply["delay"], 0.02))
-                    continue
-                reports = []
-                for assignment in assignments:
-                    report = await self._compute(client, stop, assignment)
-                    if report is None:  # stopped while fetching
-                        return
-                    reports.append(report)
-                if await self._retry(stop, lambda r=reports: client.report(r)) is None:
-                    return
-                self.done += len(reports)
+    def _capacity(self) -> int:
+        return max(0, self.behaviour.capacity - len(self.queue) - len(self.held))
 
-    async def _retry(self, stop: asyncio.Event, call: Callable[[], Awaitable[T]]) -> T | None:
-        """Retry through a coordinator that is down (restart tests); None once stopped."""
-        while not stop.is_set():
-            try:
-                return await call()
-            except (aiohttp.ClientError, TimeoutError):  # refused, reset, cut mid-blob
-                with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(stop.wait(), timeout=0.05)
-        return None
+    def _in_progress(self) -> list[str]:
+        return super()._in_progress() + self.held
 
-    async def _compute(self, client: CoordinatorClient, stop, assignment: dict) -> dict | None:
-        blobs = []
-        for key in ("a", "b"):
-            blob_id = assignment[key]
-            if blob_id not in self.cache:
-                data = await self._retry(
-                    stop, lambda b=blob_id: client.fetch_blob(b, max_bytes=MAX_BLOB)
-                )
-                if data is None:
-                    return None
-                self.cache[blob_id] = data
-            blobs.append(self.cache[blob_id])
-        output_hash, tile = compute_tile(assignment, *blobs)
+    def _heard(self, reply: dict[str, Any], wait: bool) -> None:
+        self.taken += [a["result_id"] for a in reply["assignments"]]
+
+    async def _kernel(
+        self, assignment: dict[str, Any], a: bytes, b: bytes
+    ) -> tuple[str, bytes, float]:
+        started = time.perf_counter()
+        output_hash, tile = compute_tile(assignment, a, b)
         if self.behaviour.seconds_per_tile:
-            await asyncio.sleep(self.behaviour.seconds_per_tile)
+            await asyncio.sleep(self.behaviour.seconds_per_tile)  # a slower host, modelled
+        return output_hash, tile, time.perf_counter() - started
+
+    def _outcome(self, assignment: dict[str, Any], output_hash: str, tile: bytes) -> dict | None:
+        if self.behaviour.silent:
+            self.held.append(assignment["result_id"])
+            return None
         if self.behaviour.lie:
             wrong = kernels.decode_array(tile).copy()
             wrong.flat[0] += np.float32(1.0)
             tile = kernels.encode_array(wrong)
-            output_hash = kernels.blob_id(tile)
-        report = {"result_id": assignment["result_id"], "hash": output_hash, "seconds": 0.01}
-        if assignment["upload"] == "tile":
-            report["tile"] = tile
-        return report
+            return {"hash": kernels.blob_id(tile), "tile": tile}
+        return super()._outcome(assignment, output_hash, tile)
+
+    async def _compute(
+        self, client: CoordinatorClient, stop: asyncio.Event, assignment: dict[str, Any]
+    ) -> dict[str, Any] | None:
+        """The report on one assignment fetched through `client`, outside the loop (for
+        tests that speak the protocol by hand)."""
+        blobs = [await client.fetch_blob(assignment[k], max_bytes=MAX_BLOB) for k in ("a", "b")]
+        output_hash, tile, seconds = await self._kernel(assignment, *blobs)
+        return self.report_of(assignment, output_hash, tile, seconds)
 
 
 async def wait_until(predicate: Callable[[], bool], timeout: float = 30.0) -> None:

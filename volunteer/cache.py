@@ -19,6 +19,9 @@ class BlobCache:
         self.hits = 0
         self.misses = 0
 
+    def __contains__(self, blob_id: str) -> bool:
+        return blob_id in self._blobs
+
     def get(self, blob_id: str, *, count: bool = True) -> bytes | None:
         data = self._blobs.get(blob_id)
         if count:
@@ -36,13 +39,18 @@ class BlobCache:
 
     def put(self, blob_id: str, data: bytes) -> None:
         """Keep a blob (already verified by the caller); too large a blob is not kept."""
-        if blob_id in self._blobs or len(data) > self.max_bytes:
+        size = self._size(data)
+        if blob_id in self._blobs or size > self.max_bytes:
             return
         self._blobs[blob_id] = data
-        self.bytes += len(data)
+        self.bytes += size
         while self.bytes > self.max_bytes:
             _, evicted = self._blobs.popitem(last=False)
-            self.bytes -= len(evicted)
+            self.bytes -= self._size(evicted)
+
+    def _size(self, value: bytes) -> int:
+        """The bytes a kept value counts for (a model of a cache may keep less)."""
+        return len(value)
 
     def ids(self) -> list[str]:
         """Cached ids, most recently used first (the scheduler routes work by them)."""

@@ -1,10 +1,11 @@
 """The device emulator: many volunteers in one process, each speaking the real protocol.
 
-Every emulated host registers, asks for work, fetches and verifies operands, and reports
-tiles over real HTTP through one shared connection pool. What a host's hardware and network
-would take (compute time, transfer time, round trips, sessions) is modelled with asyncio
-sleeps drawn from its profile; what goes over the wire is real. docs/emulator.md says which
-is which.
+Every emulated host runs the daemon's own pull loop (volunteer/loop.py): it registers, asks
+for work, fetches and verifies operands, and reports tiles over real HTTP through one shared
+connection pool. What a host's hardware and network would take (compute time, transfer time,
+round trips, sessions) is modelled with asyncio sleeps drawn from its profile, injected in
+the loop's primitives, as are its errors and lies; what goes over the wire is real.
+docs/emulator.md says which is which.
 """
 
 from __future__ import annotations
@@ -13,19 +14,17 @@ import asyncio
 import contextlib
 import contextvars
 import functools
-import itertools
 import logging
 import math
 import random
 import resource
-import secrets
 import time
 from array import array
-from collections import Counter, OrderedDict, deque
-from collections.abc import Callable
+from collections import Counter, OrderedDict
+from collections.abc import Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 from urllib.parse import urlsplit
 
 import aiohttp
@@ -33,20 +32,23 @@ import numpy as np
 
 import kernels
 from volunteer.backoff import Backoff
-from volunteer.cache import BlobCache, Downloads
+from volunteer.cache import BlobCache
 from volunteer.client import CoordinatorClient, ServerRefused, compute_tile
-from volunteer.daemon import MAX_CAPACITY, report_batch, report_due, time_to_ask
+from volunteer.loop import PullLoop, Stats
+from volunteer.policy import MB, budget_for
 from volunteer.profile import HostTraits, Profile
 from volunteer.profile import load as load_profile
+from volunteer.session import NETWORK, Quarantined, wait
 
 log = logging.getLogger(__name__)
 
-MB = 1 << 20
-MAX_CACHED_IDS = 4096  # the protocol's limit on `cached`
 DEFAULT_REAL_FLOPS = 64e6  # tiles up to this many flops are computed by each host itself
 SHARED_BLOB_BYTES = 256 * MB  # operand bytes kept for all hosts together
 SHARED_TILE_BYTES = 256 * MB  # modelled tiles kept for their replicas
+UNLIMITED_CACHE = 256 * MB  # the operand cache of a host without a memory limit
 LIES = ("big", "one_ulp", "zero", "nan")  # well-formed wrong tiles: only a validator sees them
+
+T = TypeVar("T")
 
 # The connector queue time of the current host's request (see _trace_config).
 _queued: contextvars.ContextVar[list[float]] = contextvars.ContextVar("queued")
@@ -201,6 +203,7 @@ class EmulationReport:
 class Totals:
     """The emulation's running counters, shared by every host."""
 
+    stats: Stats = field(default_factory=Stats)  # what the hosts' loops count
     counts: Counter = field(default_factory=Counter)
     requests: Counter = field(default_factory=Counter)
     errors: Counter = field(default_factory=Counter)
@@ -213,49 +216,69 @@ class Totals:
 
 # ---- one emulated host ---------------------------------------------------------------------
 
-
-@dataclass
-class Job:
-    assignment: dict[str, Any]
-    deadline: float
-    operands: asyncio.Task
+# Emulated hosts log nothing of their own: the report counts what thousands of them would
+# each have logged.
+_host_log = logging.getLogger(__name__ + ".hosts")
+_host_log.setLevel(logging.CRITICAL)
 
 
-class Quarantined(Exception):
-    """The coordinator refuses this host (403): it stops, as a real volunteer does."""
+class HeldBlobs(BlobCache):
+    """An emulated host's operand cache as the coordinator's scheduler sees it: the ids it
+    holds, bounded in bytes by its memory. It keeps only their sizes; the bytes live once in
+    the emulation's shared store, so a blob evicted there is fetched again for real (but
+    costs the host no modelled transfer time)."""
+
+    def __init__(self, shared: BlobCache, max_bytes: int) -> None:
+        super().__init__(max(max_bytes, 1))
+        self.shared = shared
+
+    def _size(self, value: Any) -> int:
+        return value
+
+    def get(self, blob_id: str, *, count: bool = True) -> bytes | None:
+        if super().get(blob_id, count=False) is None:
+            return None
+        return self.shared.get(blob_id, count=False)
+
+    def count(self, hit: bool) -> None:
+        """Hit rates are the daemon's status line, not the emulation's report."""
+
+    def put(self, blob_id: str, data: bytes) -> None:
+        self.shared.put(blob_id, data)
+        super().put(blob_id, len(data))
 
 
-class EmulatedHost:
-    """One volunteer: the daemon's pull loop (volunteer/daemon.py) with modelled hardware."""
+class EmulatedHost(PullLoop):
+    """One volunteer: the pull loop (volunteer/loop.py) on modelled hardware and network.
+
+    What goes over the wire is real; the time a real host would spend on the network and
+    computing is slept, drawn from its traits; its errors and lies are drawn too."""
 
     def __init__(self, emulation: Emulation, name: str, traits: HostTraits) -> None:
         self.em = emulation
-        self.name = name
         self.traits = traits
         self.rng = random.Random(emulation.rng.random())
-        self.client = CoordinatorClient(emulation.url, session=emulation.session)
-        self.requests = itertools.count()
-        self.short = False  # the last work request brought fewer tiles than it asked for
-        self.downloads = Downloads()
-        self.session_id = secrets.token_hex(4)
-        self.backoff = Backoff(cap=60.0, rng=self.rng)
-        self.idle = Backoff(base=0.25, cap=10.0, rng=self.rng)
-        budget = traits.max_memory_mb * MB // 2 if traits.max_memory_mb else 256 * MB
-        self.cache_budget = max(budget, 1)
-        self.cached: OrderedDict[str, int] = OrderedDict()  # operand ids the host holds
-        self.cached_bytes = 0
-        self.queue: deque[Job] = deque()
-        self.pending: list[dict[str, Any]] = []
-        self.computing: str | None = None
-        self.aborted: set[str] = set()
-        self.tile_flops = 0.0
+        budget = budget_for(traits.max_memory_mb, traits.threads) if traits.max_memory_mb else None
+        super().__init__(
+            CoordinatorClient(emulation.url, session=emulation.session),
+            name=name,
+            cache=HeldBlobs(emulation.blobs, budget // 2 if budget else UNLIMITED_CACHE),
+            gflops=traits.gflops,
+            threads=traits.threads,
+            budget=budget,
+            invite=emulation.invite,
+            stats=emulation.totals.stats,
+            backoff=Backoff(cap=60.0, rng=self.rng),
+            idle=Backoff(base=0.25, cap=10.0, rng=self.rng),
+            long_poll=emulation.long_poll,
+            logger=_host_log,
+        )
         self.lied = False
+        self.last_seconds = 0.0  # the latency of the last request
 
-    # ---- requests, with the modelled network around the real call ----------------------
-
-    async def _call(self, endpoint: str, make, *, up: int = 0) -> tuple[Any, float]:
-        """The real request `make()` after the modelled round trip and upload time; returns
-        its reply and its latency (recorded here, except a work request's: see _cycle)."""
+    async def _request(self, endpoint: str, call: Callable[[], Awaitable[T]], up: int) -> T:
+        """The real call after the modelled round trip and upload time; its latency is
+        recorded here (a work request's by _heard, which knows whether it waited)."""
         t = self.traits
         await asyncio.sleep(t.latency_ms / 1000 + up * 8 / (t.upload_mbps * 1e6))
         totals = self.em.totals
@@ -265,19 +288,21 @@ class EmulatedHost:
         started = time.perf_counter()
         reply = None
         try:
-            reply = await make()
-        except Exception as exc:
-            exc.endpoint = endpoint  # for _error: the call that failed, wherever it surfaces
-            raise
+            reply = await call()
         finally:
-            seconds = time.perf_counter() - started - clock[0]
+            self.last_seconds = time.perf_counter() - started - clock[0]
             if clock[0]:
                 totals.queued.append(clock[0])
             if endpoint != "work" or reply is None:
-                totals.latencies.add(endpoint, seconds)
-        return reply, seconds
+                totals.latencies.add(endpoint, self.last_seconds)
+        return reply
 
-    def _error(self, endpoint: str, exc: BaseException) -> None:
+    def _heard(self, reply: dict[str, Any], wait: bool) -> None:
+        held = "work_poll" if reply["assignments"] else "work_empty"
+        self.em.totals.latencies.add(held if wait else "work", self.last_seconds)
+
+    def _failed(self, endpoint: str, exc: BaseException) -> None:
+        super()._failed(endpoint, exc)
         endpoint = getattr(exc, "endpoint", endpoint)
         if isinstance(exc, ServerRefused):
             kind = f"{endpoint} {exc.status} {exc.code}"
@@ -286,246 +311,55 @@ class EmulatedHost:
         self.em.totals.errors[kind] += 1
         self.em.totals.examples.setdefault(kind, str(exc)[:200])
 
-    async def register(self) -> None:
-        t = self.traits
-        await self._call(
-            "register",
-            lambda: self.client.register(
-                self.name,
-                gflops=t.gflops,
-                threads=t.threads,
-                max_memory_mb=t.max_memory_mb,
-                invite=self.em.invite,
-            ),
-        )
+    def _quarantined(self, endpoint: str, exc: ServerRefused) -> None:
+        if endpoint == "work" and self.lied:
+            self.em.totals.counts["quarantined_liars"] += 1  # earned: not an error
+            return
+        super()._quarantined(endpoint, exc)
+        log.warning("%s refused: %s", self.name, exc.message)
+
+    async def _identify(self) -> None:
+        await super()._identify()
         self.em.totals.counts["registered"] += 1
 
-    # ---- a session ------------------------------------------------------------------------
-
-    async def session(self, until: float, stop: asyncio.Event) -> None:
-        """Work until the monotonic time `until` or `stop`. Raises Quarantined."""
-        self.em.totals.counts["sessions"] += 1
-        while not stop.is_set() and time.monotonic() < until:
-            endpoint = "register"
-            try:
-                if self.client.token is None:
-                    await self.register()
-                endpoint = "work"
-                await self._cycle(stop)
-            except ServerRefused as exc:
-                await self._refused(endpoint, exc, stop)
-            except (aiohttp.ClientError, TimeoutError, OSError, ValueError) as exc:
-                self._error(endpoint, exc)
-                await _wait(stop, self.backoff.next_delay())
-
-    async def _refused(self, endpoint: str, exc: ServerRefused, stop: asyncio.Event) -> None:
-        endpoint = getattr(exc, "endpoint", endpoint)
-        if exc.status == 403 and endpoint == "work" and self.lied:
-            self.em.totals.counts["quarantined_liars"] += 1
-            raise Quarantined(exc.message)
-        self._error(endpoint, exc)
-        if exc.status == 401:
-            self.client.token = None  # the coordinator forgot us: register again
-            return
-        if exc.status == 403:
-            log.warning("%s refused: %s", self.name, exc.message)
-            raise Quarantined(exc.message)
-        await _wait(stop, self.backoff.next_delay(at_least=exc.retry_after))
-
-    async def _cycle(self, stop: asyncio.Event) -> None:
-        capacity = self._capacity()
-        reply = None
-        if time_to_ask(len(self.queue), capacity, self.short) or (self.pending and not self.queue):
-            await self._flush()
-            wait = self.em.long_poll and not self.queue
-            message = {
-                "capacity": capacity,
-                "cached": list(reversed(self.cached))[:MAX_CACHED_IDS],
-                "in_progress": self._in_progress(),
-                "gflops": self.traits.gflops,
-                "wait": wait,
-            }
-            request_id = f"{self.session_id}-{next(self.requests)}"
-            reply, seconds = await self._call(
-                "work", lambda: self.client.request_work(request_id, **message)
-            )
-            if not wait:
-                self.em.totals.latencies.add("work", seconds)
-            else:
-                held = "work_poll" if reply["assignments"] else "work_empty"
-                self.em.totals.latencies.add(held, seconds)
-            self.short = len(reply["assignments"]) < capacity
-            self._take(reply)
-        if self.queue:
-            self.backoff.reset()
-            self.idle.reset()
-            await self._compute_next()
-            if report_due(self.pending, len(self.queue)):
-                await self._flush()
-        elif reply is not None and not reply["assignments"]:
-            await _wait(stop, self.idle.next_delay(at_least=float(reply.get("delay", 0.0))))
-
-    def _capacity(self) -> int:
-        if self.tile_flops:
-            wanted = int(2.0 * self.traits.gflops * 1e9 / self.tile_flops) + 1
-        else:
-            wanted = 2
-        return max(0, min(MAX_CAPACITY, wanted) - len(self.queue))
-
-    def _in_progress(self) -> list[str]:
-        ids = [job.assignment["result_id"] for job in self.queue]
-        if self.computing:
-            ids.append(self.computing)
-        return ids + [r["result_id"] for r in self.pending]
-
-    def _take(self, reply: dict[str, Any]) -> None:
-        for result_id in reply.get("abort", []):
-            self._abort(result_id)
-        now = time.monotonic()
-        known = {job.assignment["result_id"] for job in self.queue} | {self.computing}
-        for assignment in reply.get("assignments", []):
-            if assignment["result_id"] in known:
-                continue
-            self.em.totals.counts["assigned"] += 1
-            self.tile_flops = 2.0 * assignment["m"] * assignment["n"] * assignment["k"]
-            operands = asyncio.create_task(self._operands(assignment))
-            self.queue.append(Job(assignment, now + float(assignment["deadline_in"]), operands))
-
-    def _abort(self, result_id: str) -> None:
-        for job in list(self.queue):
-            if job.assignment["result_id"] == result_id:
-                job.operands.cancel()
-                self.queue.remove(job)
-                self.em.totals.counts["aborted"] += 1
-        if self.computing == result_id:
-            self.aborted.add(result_id)
-        self.pending = [r for r in self.pending if r["result_id"] != result_id]
-
-    # ---- operands, compute, reports -----------------------------------------------------
-
-    async def _operands(self, assignment: dict[str, Any]) -> list[bytes]:
-        blobs = []
-        for key in ("a", "b"):
-            blob_id = assignment[key]
-            held = blob_id in self.cached
-            data = self.em.blobs.get(blob_id)
-            if data is None or not held:
-                limit = assignment[f"{key}_bytes"] or self.em.max_blob_bytes
-                data = await self.downloads.get(
-                    blob_id, functools.partial(self._download, blob_id, limit, held)
-                )
-            else:
-                self.cached.move_to_end(blob_id)
-            blobs.append(data)
-        return blobs
-
-    async def _download(self, blob_id: str, limit: int, held: bool) -> bytes:
-        data, _ = await self._call("blob", lambda: self.client.fetch_blob(blob_id, max_bytes=limit))
-        self.em.totals.counts["bytes_down"] += len(data)
+    async def _fetch(self, blob_id: str, limit: int) -> bytes:
+        held = blob_id in self.cache
+        data = await super()._fetch(blob_id, limit)
         if not held:  # modelled: a blob the host holds costs no transfer time
             await asyncio.sleep(len(data) * 8 / (self.traits.download_mbps * 1e6))
-        self.em.blobs.put(blob_id, data)
-        self._hold(blob_id, len(data))
         return data
 
-    def _hold(self, blob_id: str, size: int) -> None:
-        if blob_id in self.cached or size > self.cache_budget:
-            return
-        self.cached[blob_id] = size
-        self.cached_bytes += size
-        while self.cached_bytes > self.cache_budget:
-            _, evicted = self.cached.popitem(last=False)
-            self.cached_bytes -= evicted
-
-    async def _compute_next(self) -> None:
-        job = self.queue.popleft()
-        assignment = job.assignment
-        result_id = assignment["result_id"]
-        try:
-            a, b = await job.operands
-        except kernels.BlobMismatchError as exc:
-            self.em.totals.errors["blob corrupt"] += 1
-            self.pending.append({"result_id": result_id, "error": f"corrupt blob: {exc}"})
-            return
-        except ServerRefused as exc:
-            if exc.retriable or exc.status == 401:
-                retry = asyncio.create_task(self._operands(assignment))
-                self.queue.appendleft(Job(assignment, job.deadline, retry))
-                raise
-            self._error("blob", exc)
-            self.pending.append({"result_id": result_id, "error": f"fetch failed: {exc}"})
-            return
-        except (aiohttp.ClientError, TimeoutError, OSError):
-            retry = asyncio.create_task(self._operands(assignment))
-            self.queue.appendleft(Job(assignment, job.deadline, retry))
-            raise
-        if time.monotonic() > job.deadline:
-            self.em.totals.counts["skipped"] += 1
-            return
-        self.computing = result_id
+    async def _kernel(
+        self, assignment: dict[str, Any], a: bytes, b: bytes
+    ) -> tuple[str, bytes, float]:
         flops = 2.0 * assignment["m"] * assignment["n"] * assignment["k"]
         modelled = flops / (self.traits.gflops * 1e9)
         started = time.monotonic()
-        try:
-            output_hash, tile = await self.em.compute(assignment, a, b, flops)
-        except ValueError as exc:
-            self.computing = None
-            self.pending.append({"result_id": result_id, "error": f"bad operands: {exc}"})
-            return
+        output_hash, tile = await self.em.compute(assignment, a, b, flops)
         elapsed = time.monotonic() - started
         if elapsed < modelled:
             await asyncio.sleep(modelled - elapsed)
         else:
             self.em.totals.overrun += elapsed - modelled
-        self.computing = None
-        if result_id in self.aborted:
-            self.aborted.discard(result_id)
-            return
+        return output_hash, tile, max(elapsed, modelled)
+
+    def _outcome(self, assignment: dict[str, Any], output_hash: str, tile: bytes) -> dict:
         draw = self.rng.random()
-        if draw < self.traits.error_rate:
+        t = self.traits
+        if draw < t.error_rate:
             self.em.totals.counts["client_errors"] += 1
-            self.pending.append({"result_id": result_id, "error": "emulated client error"})
-            return
-        if draw < self.traits.error_rate + self.traits.lie_rate:
+            return {"error": "emulated client error"}
+        if draw < t.error_rate + t.lie_rate:
             tile = falsify(tile, self.rng.choice(LIES), self.rng)
-            output_hash = kernels.blob_id(tile)
             self.em.totals.counts["lies"] += 1
             self.lied = True
-        report: dict[str, Any] = {
-            "result_id": result_id,
-            "hash": output_hash,
-            "seconds": max(elapsed, modelled),
-        }
-        if assignment["upload"] == "tile":
-            report["tile"] = tile
-        self.pending.append(report)
-
-    async def _flush(self) -> None:
-        if not self.pending:
-            return
-        batch = report_batch(self.pending)
-        size = sum(len(r.get("tile", b"")) + 64 for r in batch)
-        try:
-            reply, _ = await self._call("report", lambda: self.client.report(batch), up=size)
-        except ServerRefused as exc:
-            if exc.retriable or exc.status == 401:
-                raise
-            self._error("report", exc)  # refused for good: never resent, as the daemon does
-        else:
-            c = self.em.totals.counts
-            accepted = set(reply.get("accepted", []))
-            c["reported"] += sum(1 for r in batch if r["result_id"] in accepted and "hash" in r)
-            c["late"] += len(reply.get("late", []))
-            c["duplicate"] += len(reply.get("duplicate", []))
-            c["bytes_up"] += size
-        self.pending = self.pending[len(batch) :]
+            return {"hash": kernels.blob_id(tile), "tile": tile}
+        return {"hash": output_hash, "tile": tile}
 
     async def leave(self, graceful: bool, timeout: float, *, drain: bool = False) -> None:
-        """End a session: report what is done and give back the rest, or just vanish.
-        `drain` (the end of the emulation) first finishes the queued work, within
-        `timeout`, so that a whole crowd stopping at once does not hand back every tile
-        it was just given."""
-        counts = self.em.totals.counts
+        """End a session (PullLoop.leave). `drain` (the end of the emulation) first finishes
+        the queued work, within `timeout`, so that a whole crowd stopping at once does not
+        hand back every tile it was just given."""
         deadline = time.monotonic() + timeout
         if graceful and drain:
             try:
@@ -534,37 +368,10 @@ class EmulatedHost:
                         await self._compute_next()
                     while self.pending:
                         await self._flush()
-            except (ServerRefused, aiohttp.ClientError, TimeoutError, OSError) as exc:
+            except (ServerRefused, *NETWORK) as exc:
                 if not isinstance(exc, TimeoutError) or time.monotonic() < deadline:
-                    self._error("report", exc)
-            if self.computing:
-                self.queue.appendleft(Job({"result_id": self.computing}, 0.0, _done()))
-                self.computing = None
-        for job in self.queue:
-            job.operands.cancel()
-        if graceful:
-            counts["abandoned"] += len(self.queue)
-            self.pending += [
-                {"result_id": job.assignment["result_id"], "abandoned": True} for job in self.queue
-            ]
-            self.queue.clear()
-            try:
-                async with asyncio.timeout(max(1.0, deadline - time.monotonic())):
-                    while self.pending:
-                        await self._flush()
-            except (ServerRefused, aiohttp.ClientError, TimeoutError, OSError) as exc:
-                self._error("report", exc)
-        counts["vanished"] += len(self.queue) + len(self.pending)
-        self.queue.clear()
-        self.pending.clear()
-        self.computing = None
-
-
-def _done() -> asyncio.Future:
-    """A finished future: the operands of a job that will only be given back."""
-    future = asyncio.get_running_loop().create_future()
-    future.set_result(None)
-    return future
+                    self._failed("report", exc)
+        await super().leave(graceful, deadline - time.monotonic())
 
 
 def falsify(tile: bytes, lie: str, rng: random.Random) -> bytes:
@@ -626,7 +433,6 @@ class Emulation:
         self.stop_timeout = stop_timeout
         self.totals = Totals()
         self.blobs = BlobCache(SHARED_BLOB_BYTES)
-        self.max_blob_bytes = 64 * MB
         self.pool = ThreadPoolExecutor(compute_threads, thread_name_prefix="emulate-kernel")
         self.tiles: OrderedDict[str, tuple[str, bytes]] = OrderedDict()
         self.tile_bytes = 0
@@ -673,16 +479,17 @@ class Emulation:
 
     async def slot(self, index: int, start_after: float, stop: asyncio.Event) -> None:
         """One host after another, session after session, until `stop`."""
-        if await _wait(stop, start_after):
+        if await wait(stop, start_after):
             return
         generation = 0
         host = self.new_host(index, generation)
         try:
             while not stop.is_set():
                 self.totals.online += 1
+                self.totals.counts["sessions"] += 1
                 quarantined = False
                 try:
-                    await host.session(time.monotonic() + host.traits.session_s, stop)
+                    await host.session(stop, time.monotonic() + host.traits.session_s)
                 except Quarantined:
                     quarantined = True
                 finally:
@@ -694,19 +501,18 @@ class Emulation:
                 if stop.is_set():
                     return
                 churn = quarantined or host.rng.random() < host.traits.churn
-                if await _wait(stop, host.traits.offline_s):
+                if await wait(stop, host.traits.offline_s):
                     return
                 if churn:
                     self.totals.counts["churned"] += 1
                     generation += 1
                     host = self.new_host(index, generation)
         finally:
-            for job in host.queue:
-                job.operands.cancel()
+            host.cancel()
 
     def report(self) -> EmulationReport:
         t = self.totals
-        c = t.counts
+        c, st = t.counts, t.stats
         queued = sorted(t.queued)
         return EmulationReport(
             url=self.url,
@@ -718,21 +524,21 @@ class Emulation:
             sessions=c["sessions"],
             churned=c["churned"],
             requests=dict(t.requests),
-            assigned=c["assigned"],
-            reported=c["reported"],
-            late=c["late"],
-            duplicate=c["duplicate"],
+            assigned=st.assigned,
+            reported=st.reported,
+            late=st.late,
+            duplicate=st.duplicate,
             client_errors=c["client_errors"],
             lies=c["lies"],
-            abandoned=c["abandoned"],
-            vanished=c["vanished"],
-            aborted=c["aborted"],
-            skipped=c["skipped"],
+            abandoned=st.abandoned,
+            vanished=st.vanished,
+            aborted=st.aborted,
+            skipped=st.skipped,
             tiles_real=c["tiles_real"],
             tiles_modelled=c["tiles_modelled"],
             compute_overrun_s=round(t.overrun, 3),
-            bytes_down=c["bytes_down"],
-            bytes_up=c["bytes_up"],
+            bytes_down=st.bytes_down,
+            bytes_up=st.bytes_up,
             errors=dict(t.errors),
             error_examples=dict(t.examples),
             quarantined_liars=c["quarantined_liars"],
@@ -765,15 +571,6 @@ def _trace_config() -> aiohttp.TraceConfig:
     return trace
 
 
-async def _wait(stop: asyncio.Event, seconds: float) -> bool:
-    """Sleep up to `seconds`; True if `stop` was set."""
-    if seconds <= 0:
-        return stop.is_set()
-    with contextlib.suppress(TimeoutError):
-        await asyncio.wait_for(stop.wait(), timeout=seconds)
-    return stop.is_set()
-
-
 async def _coordinator_status(session: aiohttp.ClientSession, url: str) -> dict[str, Any]:
     async with session.get(url.rstrip("/") + "/v1/status") as resp:
         if resp.status != 200:
@@ -791,7 +588,7 @@ async def _watch_done(
             if (status.get("training") or {}).get("done"):
                 stop.set()
                 return
-        await _wait(stop, every)
+        await wait(stop, every)
 
 
 async def run_emulation(
@@ -955,7 +752,7 @@ def hints(report: EmulationReport) -> list[str]:
 
 
 async def _stop_after(stop: asyncio.Event, seconds: float) -> None:
-    await _wait(stop, seconds)
+    await wait(stop, seconds)
     stop.set()
 
 
@@ -965,5 +762,5 @@ async def _progress(
     interval: float,
     stop: asyncio.Event,
 ) -> None:
-    while not await _wait(stop, interval):
+    while not await wait(stop, interval):
         progress(emulation.report())

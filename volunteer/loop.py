@@ -1,0 +1,406 @@
+"""The volunteer's pull loop: ask for work, fetch and verify operands, compute, report.
+
+One state machine for every volunteer tilehive runs: the daemon (volunteer/daemon.py: real
+threads, sockets and memory), the emulator's hosts (volunteer/emulator.py: modelled time,
+network and lies) and the test volunteers (tests/volunteers.py). As in saq's queue, the
+base classes do the bookkeeping: volunteer/session.py the identity, backoff and refusals,
+this one the queue, reports, request ids, aborts, hysteresis, the memory limit, counters
+and logging. A backend overrides only primitives: `_request` (one call on the wire),
+`_fetch` (one operand), `_kernel` (one tile), `_outcome` (what to report for it), and the
+hooks `_identify`, `_forget`, `_paused`, `_heard`, `_failed`, `_quarantined`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import itertools
+import logging
+import secrets
+import time
+from collections import deque
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import kernels
+from volunteer.backoff import Backoff
+from volunteer.cache import Downloads
+from volunteer.client import CoordinatorClient, ServerRefused
+from volunteer.policy import (
+    MAX_CACHED_IDS,
+    MAX_CAPACITY,
+    UNSIZED_BLOB,
+    capacity,
+    memory_refusal,
+    report_batch,
+    report_due,
+    time_to_ask,
+    work_budget_mb,
+)
+from volunteer.session import NETWORK, TRANSIENT, CoordinatorSession, wait
+
+log = logging.getLogger(__name__)
+
+
+class OperandCache(Protocol):
+    """Where a loop keeps verified operands: volunteer.cache.BlobCache, or a model of one."""
+
+    def get(self, blob_id: str, *, count: bool = True) -> bytes | None: ...
+    def count(self, hit: bool) -> None: ...
+    def put(self, blob_id: str, data: bytes) -> None: ...
+    def ids(self) -> list[str]: ...
+
+
+@dataclass
+class Stats:
+    """What loops count; the emulator gives all its hosts one, so it holds their sum."""
+
+    assigned: int = 0  # assignments received
+    tiles: int = 0  # tiles computed
+    flops: float = 0.0
+    compute_seconds: float = 0.0
+    bytes_down: int = 0
+    bytes_up: int = 0
+    errors: int = 0
+    refused: int = 0  # assignments refused for want of memory
+    aborted: int = 0  # results the coordinator told us to drop
+    skipped: int = 0  # results whose deadline passed before we got to them
+    reported: int = 0  # tiles the coordinator accepted
+    late: int = 0
+    duplicate: int = 0
+    abandoned: int = 0  # results given back when a session ended
+    vanished: int = 0  # results dropped unreported when a session ended
+
+    def gflops(self) -> float:
+        return self.flops / self.compute_seconds / 1e9 if self.compute_seconds else 0.0
+
+
+@dataclass
+class Job:
+    """An assignment and the task prefetching its operands."""
+
+    assignment: dict[str, Any]
+    deadline: float
+    operands: asyncio.Future
+
+
+class PullLoop(CoordinatorSession):
+    """One volunteer's sessions with one coordinator through `client`.
+
+    `budget` is the memory for work and cached operands, half each (None: no limit);
+    `gflops` sizes the requests (about two seconds of work), `max_capacity` caps them.
+    `stats` may be shared between loops."""
+
+    def __init__(
+        self,
+        client: CoordinatorClient,
+        *,
+        name: str,
+        cache: OperandCache,
+        gflops: float = 0.0,
+        threads: int = 1,
+        budget: int | None = None,
+        invite: str | None = None,
+        stats: Stats | None = None,
+        backoff: Backoff | None = None,
+        idle: Backoff | None = None,
+        long_poll: bool = True,
+        max_capacity: int = MAX_CAPACITY,
+        logger: logging.Logger = log,
+    ) -> None:
+        super().__init__(client, backoff=backoff, logger=logger)
+        self.name = name
+        self.cache = cache
+        self.gflops = gflops
+        self.threads = threads
+        self.budget = budget
+        self.invite = invite
+        self.stats = stats or Stats()
+        # While it has no work: its long poll already waited, so this stays short.
+        self.idle = idle or Backoff(base=0.25, cap=10.0)
+        self.long_poll = long_poll
+        self.max_capacity = max_capacity
+        self.limit_name = "the memory limit"  # how a refusal names it to the user
+        self.queue: deque[Job] = deque()
+        self.pending: list[dict[str, Any]] = []  # reports not yet sent
+        self.computing: str | None = None
+        self.aborted: set[str] = set()  # told to drop while computing: not reported
+        self.downloads = Downloads()
+        self.short = False  # the last work request brought fewer tiles than it asked for
+        self.tile_flops = 0.0
+        # Each work request has its own id: the coordinator keeps its reply under it, so
+        # one request delivered twice is answered, and assigns work, once.
+        self._session_id = secrets.token_hex(4)
+        self._requests = itertools.count()
+
+    # ---- primitives and hooks: what a backend overrides ---------------------------------
+
+    async def _fetch(self, blob_id: str, limit: int) -> bytes:
+        """An operand's verified bytes from the coordinator."""
+        return await self._call("blob", lambda: self.client.fetch_blob(blob_id, max_bytes=limit))
+
+    async def _kernel(
+        self, assignment: dict[str, Any], a: bytes, b: bytes
+    ) -> tuple[str, bytes, float]:
+        """The tile as (hash, blob, seconds it took); ValueError if the operands do not fit."""
+        raise NotImplementedError
+
+    def _outcome(self, assignment: dict[str, Any], output_hash: str, tile: bytes) -> dict | None:
+        """The report's fields for a computed tile (the truth, unless a backend lies);
+        None keeps the result unreported."""
+        return {"hash": output_hash, "tile": tile}
+
+    async def _identify(self) -> None:
+        """Get a token: register as a new host."""
+        self.host_id = await self._call(
+            "register",
+            lambda: self.client.register(
+                self.name,
+                gflops=self.gflops,
+                threads=self.threads,
+                max_memory_mb=work_budget_mb(self.budget, self.threads),
+                invite=self.invite,
+            ),
+        )
+
+    def _paused(self) -> float:
+        """Seconds to wait before the next cycle (0: work now)."""
+        return 0.0
+
+    def _heard(self, reply: dict[str, Any], wait: bool) -> None:
+        """A work request was answered (after long-polling, if `wait`)."""
+
+    def _failed(self, endpoint: str, exc: BaseException) -> None:
+        self.stats.errors += 1
+
+    # ---- the work cycle ------------------------------------------------------------------------
+
+    async def _cycle(self, stop: asyncio.Event) -> None:
+        pause = self._paused()
+        if pause:
+            await wait(stop, pause)
+            return
+        room = self._capacity()
+        reply = None
+        # With nothing queued it always asks, for no work if it has no room: a heartbeat
+        # that lists what it holds (and is where aborts come back), never a spin.
+        if not self.queue or time_to_ask(len(self.queue), room, self.short):
+            await self._flush()
+            reply = await self._ask(room)
+        if self.queue:
+            self.state = "working"
+            self.backoff.reset()
+            self.idle.reset()
+            await self._compute_next()
+            if report_due(self.pending, len(self.queue)):
+                await self._flush()
+        elif reply is not None and not reply["assignments"]:
+            self.state = "idle"
+            delay = self.idle.next_delay(at_least=float(reply.get("delay", 0.0)))
+            self.note = f"no work; next ask in {delay:.1f}s"
+            await wait(stop, delay)
+
+    def _capacity(self) -> int:
+        """How many more tiles to ask for."""
+        return capacity(len(self.queue), self.gflops, self.tile_flops, self.max_capacity)
+
+    async def _ask(self, room: int) -> dict[str, Any]:
+        wait_for_work = self.long_poll and not self.queue
+        request_id = f"{self._session_id}-{next(self._requests)}"
+        message = {
+            "capacity": room,
+            "cached": self.cache.ids()[:MAX_CACHED_IDS],
+            "in_progress": self._in_progress(),
+            "gflops": self.gflops,
+            "wait": wait_for_work,
+        }
+        reply = await self._call("work", lambda: self.client.request_work(request_id, **message))
+        self._heard(reply, wait_for_work)
+        self.short = len(reply["assignments"]) < room
+        self._take(reply)
+        return reply
+
+    def _in_progress(self) -> list[str]:
+        ids = [job.assignment["result_id"] for job in self.queue]
+        if self.computing:
+            ids.append(self.computing)
+        return ids + [r["result_id"] for r in self.pending]
+
+    def _take(self, reply: dict[str, Any]) -> None:
+        for result_id in reply.get("abort", []):
+            self._abort(result_id)
+        now = time.monotonic()
+        known = {job.assignment["result_id"] for job in self.queue} | {self.computing}
+        for assignment in reply.get("assignments", []):
+            if assignment["result_id"] in known:
+                continue
+            self.stats.assigned += 1
+            refusal = memory_refusal(assignment, self.threads, self.budget, self.limit_name)
+            if refusal:
+                self.stats.refused += 1
+                self.log.warning("refusing %s: %s", assignment["result_id"], refusal)
+                self.note = refusal
+                self.pending.append({"result_id": assignment["result_id"], "error": refusal})
+                continue
+            self.tile_flops = 2.0 * assignment["m"] * assignment["n"] * assignment["k"]
+            operands = asyncio.create_task(self._operands(assignment))
+            self.queue.append(Job(assignment, now + float(assignment["deadline_in"]), operands))
+
+    def _abort(self, result_id: str) -> None:
+        for job in list(self.queue):
+            if job.assignment["result_id"] == result_id:
+                job.operands.cancel()
+                self.queue.remove(job)
+                self.stats.aborted += 1
+                self.log.info("dropped %s: the coordinator no longer needs it", result_id)
+        if self.computing == result_id:
+            self.aborted.add(result_id)
+        self.pending = [r for r in self.pending if r["result_id"] != result_id]
+
+    # ---- operands, compute, reports -------------------------------------------------------
+
+    async def _operands(self, assignment: dict[str, Any]) -> list[bytes]:
+        blobs = []
+        for key in ("a", "b"):
+            blob_id = assignment[key]
+            data = self.cache.get(blob_id, count=False)
+            # A panel another queued tile is already downloading costs this one nothing.
+            self.cache.count(hit=data is not None or self.downloads.running(blob_id))
+            if data is None:
+                limit = assignment[f"{key}_bytes"] or self.budget or UNSIZED_BLOB
+                data = await self.downloads.get(
+                    blob_id, functools.partial(self._download, blob_id, limit)
+                )
+            blobs.append(data)
+        return blobs
+
+    async def _download(self, blob_id: str, limit: int) -> bytes:
+        data = await self._fetch(blob_id, limit)
+        self.stats.bytes_down += len(data)
+        self.cache.put(blob_id, data)
+        return data
+
+    async def _compute_next(self) -> None:
+        job = self.queue.popleft()
+        assignment = job.assignment
+        result_id = assignment["result_id"]
+        try:
+            a, b = await job.operands
+        except kernels.BlobMismatchError as exc:
+            self._failed("blob", exc)
+            self.log.error("refusing %s: operand blob is corrupt: %s", result_id, exc)
+            self.pending.append({"result_id": result_id, "error": f"corrupt blob: {exc}"})
+            return
+        except ServerRefused as exc:
+            if not (exc.retriable or exc.status == 401):
+                self._failed("blob", exc)
+                self.log.error("cannot fetch operands of %s: %s", result_id, exc)
+                self.pending.append({"result_id": result_id, "error": f"fetch failed: {exc}"})
+                return
+            self._retry(job)
+            raise
+        except NETWORK:
+            self._retry(job)
+            raise
+        if time.monotonic() > job.deadline:
+            self.stats.skipped += 1
+            self.log.info("skipped %s: its deadline passed before we got to it", result_id)
+            return
+        self.computing = result_id  # left set if cancelled: leave() gives it back
+        try:
+            output_hash, tile, seconds = await self._kernel(assignment, a, b)
+        except ValueError as exc:
+            self.computing = None
+            self.pending.append({"result_id": result_id, "error": f"bad operands: {exc}"})
+            return
+        self.computing = None
+        if result_id in self.aborted:
+            self.aborted.discard(result_id)
+            return
+        self.stats.tiles += 1
+        self.stats.flops += 2.0 * assignment["m"] * assignment["n"] * assignment["k"]
+        self.stats.compute_seconds += seconds
+        report = self.report_of(assignment, output_hash, tile, seconds)
+        if report is not None:
+            self.pending.append(report)
+
+    def _retry(self, job: Job) -> None:
+        """Busy or cut off, not wrong: keep the assignment and fetch again after the backoff."""
+        retry = asyncio.create_task(self._operands(job.assignment))
+        self.queue.appendleft(Job(job.assignment, job.deadline, retry))
+
+    def report_of(
+        self, assignment: dict[str, Any], output_hash: str, tile: bytes, seconds: float
+    ) -> dict[str, Any] | None:
+        """The report on a computed tile, as `_outcome` would have it (None: no report)."""
+        fields = self._outcome(assignment, output_hash, tile)
+        if fields is None:
+            return None
+        report: dict[str, Any] = {"result_id": assignment["result_id"]}
+        if "error" in fields:
+            report["error"] = fields["error"]
+            return report
+        report.update(hash=fields["hash"], seconds=seconds)
+        if assignment["upload"] == "tile":
+            report["tile"] = fields["tile"]
+        return report
+
+    async def _flush(self) -> None:
+        if not self.pending:
+            return
+        batch = report_batch(self.pending)
+        size = sum(len(r.get("tile", b"")) + 64 for r in batch)
+        try:
+            reply = await self._call("report", lambda: self.client.report(batch), up=size)
+        except ServerRefused as exc:
+            if exc.retriable or exc.status == 401:
+                raise  # kept: sent again after the backoff (or after registering again)
+            # Any other 4xx names a report the coordinator will never take: never resend it.
+            self.log.error("the coordinator refused %d report(s): %s", len(batch), exc.message)
+            self._failed("report", exc)
+        else:
+            accepted = set(reply.get("accepted", []))
+            self.stats.reported += sum(
+                1 for r in batch if r["result_id"] in accepted and "hash" in r
+            )
+            self.stats.late += len(reply.get("late", []))
+            self.stats.duplicate += len(reply.get("duplicate", []))
+        self.stats.bytes_up += size
+        self.pending = self.pending[len(batch) :]
+
+    # ---- the end of a session ---------------------------------------------------------------
+
+    async def leave(self, graceful: bool, timeout: float) -> None:
+        """End a session: report what is done and give back the rest, so the coordinator
+        reissues it now, within `timeout`; or (not `graceful`) just vanish."""
+        if self.computing:  # cancelled mid-tile: given back with the queue
+            self.queue.appendleft(Job({"result_id": self.computing}, 0.0, _done()))
+            self.computing = None
+        self.cancel()
+        if graceful:
+            self.stats.abandoned += len(self.queue)
+            self.pending += [
+                {"result_id": job.assignment["result_id"], "abandoned": True} for job in self.queue
+            ]
+            self.queue.clear()
+            try:
+                async with asyncio.timeout(max(1.0, timeout)):
+                    while self.pending:
+                        await self._flush()
+            except (ServerRefused, *TRANSIENT) as exc:
+                self._failed("report", exc)
+        self.stats.vanished += len(self.queue) + len(self.pending)
+        self.queue.clear()
+        self.pending.clear()
+
+    def cancel(self) -> None:
+        """Stop the downloads of queued work (a loop dropped without leaving)."""
+        for job in self.queue:
+            job.operands.cancel()
+
+
+def _done() -> asyncio.Future:
+    """A finished future: the operands of a job that will only be given back."""
+    future = asyncio.get_running_loop().create_future()
+    future.set_result(None)
+    return future

@@ -1,0 +1,92 @@
+"""The pull loop's pure rules: when to ask for work, how much, what fits, when to report."""
+
+from __future__ import annotations
+
+from typing import Any
+
+MB = 1 << 20
+WORKSPACE_PER_THREAD = 2 * MB  # the kernel's packing buffers, with room to spare
+MAX_CAPACITY = 64  # tiles queued at most: as many as a trusted host may hold
+REPORT_BATCH = 64  # results per report at most
+REPORT_BYTES = 8 * MB  # tile bytes per report: a report is sent once this much is waiting
+MAX_CACHED_IDS = 4096  # the protocol's limit on a work request's `cached`
+UNSIZED_BLOB = 64 * MB  # the download limit of an operand whose size the assignment omits
+QUEUE_SECONDS = 2.0  # the work a host asks for, in seconds of its own compute
+
+
+def time_to_ask(queued: int, capacity: int, short: bool = False) -> bool:
+    """Ask for work once the queue is down to half of what we want (BOINC's work-fetch
+    hysteresis): one request then brings several tiles, not one request per tile.
+
+    `short`: the last answer brought fewer tiles than asked for. Then the coordinator has
+    nothing more for now, and asking again after every tile would be a spin (hundreds of
+    requests a second with small tiles); the next ask waits for an empty queue, as a long
+    poll."""
+    if capacity <= 0 or (short and queued > 0):
+        return False
+    return queued <= (queued + capacity) // 2
+
+
+def capacity(queued: int, gflops: float, tile_flops: float, most: int = MAX_CAPACITY) -> int:
+    """How many more tiles to ask for: about QUEUE_SECONDS of work at `gflops`, judged by
+    the last tile's size (two before any tile is known), at most `most` queued."""
+    if tile_flops and gflops:
+        wanted = int(QUEUE_SECONDS * gflops * 1e9 / tile_flops) + 1
+    else:
+        wanted = 2
+    return max(0, min(most, wanted) - queued)
+
+
+def report_batch(pending: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The reports to send next: the oldest, up to REPORT_BATCH of them and REPORT_BYTES of
+    tiles (at least one). One report per product share rather than per few tiles: each
+    report is a round trip, and the coordinator commits it to disk before it answers."""
+    size = 0
+    for count, report in enumerate(pending[:REPORT_BATCH]):
+        size += len(report.get("tile", b""))
+        if size > REPORT_BYTES and count:
+            return pending[:count]
+    return pending[:REPORT_BATCH]
+
+
+def report_due(pending: list[dict[str, Any]], queued: int) -> bool:
+    """Send reports when nothing is left to compute, or when a full batch is waiting."""
+    if not pending:
+        return False
+    waiting = sum(len(r.get("tile", b"")) for r in pending)
+    return not queued or len(pending) >= REPORT_BATCH or waiting >= REPORT_BYTES
+
+
+def tile_memory(assignment: dict[str, Any], threads: int) -> int:
+    """Bytes one assignment needs beyond the operand cache: the tile, its encoded blob and
+    its copy in the report body, and the kernel's per-thread packing workspace."""
+    tile = 4 * assignment["m"] * assignment["n"]
+    return 3 * tile + threads * WORKSPACE_PER_THREAD
+
+
+def work_budget_mb(budget: int | None, threads: int) -> int:
+    """What a host tells the coordinator it can hold for one work unit: half its memory
+    budget (the other half caches operands), less the kernel's workspace; 0: no limit."""
+    if budget is None:
+        return 0
+    return max(1, int((budget // 2 - threads * WORKSPACE_PER_THREAD) / MB))
+
+
+def budget_for(work_mb: int, threads: int) -> int:
+    """The memory budget of a host that offers `work_mb` for one work unit (the inverse
+    of work_budget_mb)."""
+    return 2 * (work_mb * MB + threads * WORKSPACE_PER_THREAD)
+
+
+def memory_refusal(assignment: dict[str, Any], threads: int, budget: int | None, limit: str) -> str:
+    """Why an assignment does not fit half of `budget` (the other half caches operands),
+    in words naming the `limit`; "" if it fits or there is no budget."""
+    if budget is None:
+        return ""
+    need = tile_memory(assignment, threads) + assignment["a_bytes"] + assignment["b_bytes"]
+    if need <= budget // 2:
+        return ""
+    return (
+        f"insufficient memory: the tile needs {need / MB:.1f} MB, {limit} "
+        f"leaves {budget / 2 / MB:.1f} MB for work"
+    )

@@ -1,0 +1,137 @@
+"""A volunteer's standing with its coordinator: identity, calls, and what to do when one fails.
+
+The outer loop of every volunteer (volunteer/loop.py adds the work it does in each cycle):
+register when it has no token, and survive the coordinator's failures the way BOINC's
+client does: back off with jitter while it is unreachable or busy, register again when it
+no longer knows us, and stop asking for good when it refuses this host (403).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import math
+import time
+from collections.abc import Awaitable, Callable
+from typing import TypeVar
+
+import aiohttp
+
+from volunteer.backoff import Backoff
+from volunteer.client import CoordinatorClient, ServerRefused
+
+log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+# A call that failed on the way, not at the coordinator: try again after the backoff.
+NETWORK = (aiohttp.ClientError, TimeoutError, OSError)
+# What a session survives (ValueError: a reply that does not parse as the protocol says).
+TRANSIENT = (*NETWORK, ValueError)
+
+
+class Quarantined(Exception):
+    """The coordinator refuses this host (403): its loop ends, as BOINC's client stops."""
+
+    def __init__(self, refusal: ServerRefused) -> None:
+        super().__init__(refusal.message)
+        self.refusal = refusal
+
+
+class CoordinatorSession:
+    """Cycles of work through `client` until stopped; subclasses supply `_cycle` and
+    `_identify`, and may put their own network under `_request`."""
+
+    def __init__(
+        self,
+        client: CoordinatorClient,
+        *,
+        backoff: Backoff | None = None,
+        logger: logging.Logger = log,
+    ) -> None:
+        self.client = client
+        self.backoff = backoff or Backoff()  # while the coordinator fails us
+        self.log = logger
+        self.host_id: int | None = None
+        self.state = "starting"
+        self.note = ""  # what the volunteer is doing or waiting for
+
+    async def _cycle(self, stop: asyncio.Event) -> None:
+        """One round of work."""
+        raise NotImplementedError
+
+    async def _identify(self) -> None:
+        """Get a token (`self.client.token`)."""
+        raise NotImplementedError
+
+    async def _request(self, endpoint: str, call: Callable[[], Awaitable[T]], up: int) -> T:
+        """One call on the wire (`up`: the bytes it uploads): the real one by default."""
+        return await call()
+
+    def _forget(self) -> None:
+        """The coordinator does not know our token: drop whatever keeps it."""
+
+    def _failed(self, endpoint: str, exc: BaseException) -> None:
+        """Something went wrong on the wire (`endpoint`: the call that failed)."""
+
+    def _quarantined(self, endpoint: str, exc: ServerRefused) -> None:
+        """The coordinator refuses this host for good; the session ends after this."""
+        self._failed(endpoint, exc)
+        self.state = "refused"
+        self.note = exc.message
+        self.log.error("the coordinator refuses this host: %s", exc.message)
+
+    async def session(self, stop: asyncio.Event, until: float = math.inf) -> None:
+        """Work until `stop` is set or the monotonic time `until`. Raises Quarantined."""
+        while not stop.is_set() and time.monotonic() < until:
+            endpoint = "register"
+            try:
+                if self.client.token is None:
+                    await self._identify()
+                endpoint = "work"
+                await self._cycle(stop)
+            except ServerRefused as exc:
+                await self._refused(getattr(exc, "endpoint", endpoint), exc, stop)
+            except TRANSIENT as exc:
+                self._failed(getattr(exc, "endpoint", endpoint), exc)
+                delay = self.backoff.next_delay()
+                self.state = "offline"
+                self.note = (
+                    f"cannot reach coordinator ({type(exc).__name__}); retry in {delay:.1f}s"
+                )
+                self.log.warning(self.note)
+                await wait(stop, delay)
+
+    async def _call(self, endpoint: str, call: Callable[[], Awaitable[T]], *, up: int = 0) -> T:
+        try:
+            return await self._request(endpoint, call, up)
+        except Exception as exc:
+            exc.endpoint = endpoint  # the call that failed, wherever the error surfaces
+            raise
+
+    async def _refused(self, endpoint: str, exc: ServerRefused, stop: asyncio.Event) -> None:
+        if exc.status == 403:
+            self._quarantined(endpoint, exc)
+            raise Quarantined(exc) from exc
+        self._failed(endpoint, exc)
+        if exc.status == 401:
+            self.log.warning(
+                "the coordinator does not know our token (%s); registering again", exc.message
+            )
+            self._forget()
+            self.client.token = None
+            return
+        delay = self.backoff.next_delay(at_least=exc.retry_after)
+        self.note = f"coordinator said {exc.status} {exc.code}: {exc.message}"
+        self.log.warning("%s; retry in %.1fs", self.note, delay)
+        await wait(stop, delay)
+
+
+async def wait(stop: asyncio.Event, seconds: float) -> bool:
+    """Sleep up to `seconds`, or less if `stop` is set; True if it is."""
+    if seconds <= 0:
+        return stop.is_set()
+    with contextlib.suppress(TimeoutError):
+        await asyncio.wait_for(stop.wait(), timeout=seconds)
+    return stop.is_set()
