@@ -31,7 +31,7 @@ def test_a_batch_of_blobs_is_stored_under_their_hashes_and_read_back_whole(tmp_p
         store.put_many([(blobs[1], ids[2])])
 
 
-def test_a_batch_that_fails_part_way_stores_none_of_it_and_leaves_no_debris(tmp_path, monkeypatch):
+def test_a_batch_that_fails_part_way_leaves_whole_blobs_or_none(tmp_path, monkeypatch):
     store = BlobStore(tmp_path, max_blob_bytes=1 << 20)
     blobs = tiles(6, seed=1)
     first = store.put(blobs[0])
@@ -48,8 +48,8 @@ def test_a_batch_that_fails_part_way_stores_none_of_it_and_leaves_no_debris(tmp_
         store.put_many([(data, None) for data in blobs[1:]])
     monkeypatch.undo()
     assert store.get(first) == blobs[0]
-    # What was renamed before the failure is whole (its bytes were synced first); the rest
-    # is absent, and no temporary file is left.
+    # What was renamed before the failure is whole; the rest is absent, and no temporary
+    # file is left.
     for data in blobs[1:]:
         blob = kernels.blob_id(data)
         if store.path(blob) in renamed:

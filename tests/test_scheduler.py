@@ -163,17 +163,41 @@ def test_a_host_never_gets_two_replicas_of_one_work_unit():
 
 
 @pytest.mark.parametrize(
-    "outcome", [Outcome.CLIENT_ERROR, Outcome.NO_REPLY, Outcome.SUCCESS, Outcome.ABORTED]
+    ("outcome", "received"),
+    [
+        (Outcome.CLIENT_ERROR, NOW),
+        (Outcome.NO_REPLY, NOW),  # given back: it would take it back, again and again
+        (Outcome.SUCCESS, NOW),
+        (Outcome.ABORTED, None),
+    ],
 )
-def test_a_host_does_not_get_another_replica_after_its_first_one_ended(outcome):
+def test_a_host_does_not_get_another_replica_after_its_first_one_ended(outcome, received):
     wu = make_wu(1)
     ledger = make_ledger([wu], replicas=0)
-    ledger.put_result(sent_to(wu, 1, 0).evolve(server_state=ServerState.OVER, outcome=outcome))
+    ledger.put_result(
+        sent_to(wu, 1, 0).evolve(
+            server_state=ServerState.OVER, outcome=outcome, received_time=received
+        )
+    )
     ledger.put_result(replica(wu, 1))
     sched = scheduler(ledger)
 
     assert assigned(sched.plan(make_host(1), request(), NOW)) == []
     assert assigned(sched.plan(make_host(2), request(), NOW)) == ["wu-1-r1"]
+
+
+def test_a_host_gets_the_replacement_of_its_timed_out_quorum_replica():
+    """With two volunteers and a quorum of two, a replica that timed out must be able to go
+    back to a host that had one (the validator counts one vote per host), or the work unit
+    waits for a third host for ever."""
+    wu = make_wu(1)
+    ledger = make_ledger([wu], replicas=0)
+    ledger.put_result(
+        sent_to(wu, 1, 0).evolve(server_state=ServerState.OVER, outcome=Outcome.NO_REPLY)
+    )
+    ledger.put_result(replica(wu, 1))
+
+    assert assigned(scheduler(ledger).plan(make_host(1), request(), NOW)) == ["wu-1-r1"]
 
 
 def freivalds_wu(n: int) -> WorkUnit:

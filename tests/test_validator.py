@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 
@@ -173,6 +174,17 @@ def test_one_result_is_not_a_quorum():
     assert not decision.decided
     assert decision.results == []
     assert decision.wu == make_wu()
+
+
+def test_one_host_is_one_vote_even_with_two_results():
+    """A host given a new replica after its first timed out may report both: the two agree,
+    but they are one host, not a quorum."""
+    first = returned("r1", A, tile=True)
+    second = dataclasses.replace(returned("r2", A, at=1), host_id=1)
+
+    decision = decide(make_wu(), [first, second], {}, NOW)
+
+    assert not decision.decided
 
 
 def test_two_disagreeing_results_are_inconclusive_and_the_target_is_raised():

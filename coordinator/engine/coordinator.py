@@ -93,6 +93,7 @@ class Coordinator:
             for panel in (wu.a_panel, wu.b_panel):
                 if panel not in self.ledger.panel_bytes and self.blobs.has(panel):
                     self.ledger.panel_bytes[panel] = self.blobs.size(panel)
+        self.products.drop_lost(time.time())
         if snapshot.gemms:
             log.info(
                 "resuming %d GEMMs with %d work units",

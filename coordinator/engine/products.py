@@ -18,7 +18,7 @@ import numpy as np
 
 import kernels
 from coordinator.engine.config import CoordinatorConfig
-from coordinator.state.blobs import BlobStore
+from coordinator.state.blobs import BlobNotFound, BlobStore
 from coordinator.state.ledger import Ledger
 from coordinator.state.store import Store
 from coordinator.work.events import Event
@@ -175,7 +175,11 @@ class Products:
                     f"GEMM {gid[:12]} of step {step} was pruned after a later checkpoint; "
                     "resume from that checkpoint"
                 )
-            elif gid not in self.ledger.gemms:
+            else:
+                # Made before a restart. Blobs are not synced (docs/architecture.md): after
+                # a power cut, panels that are gone are stored again from the operands.
+                await self._restore_panels(gemm, a, b)
+            if gemm.state is GemmState.DONE:
                 # Finished before a restart: the tiles are committed blobs.
                 wus, _ = await self.store.gemm_work(gid)
                 await asyncio.to_thread(self._fill, output.out, wus)
@@ -230,7 +234,41 @@ class Products:
 
     def _fill(self, out: np.ndarray, wus: list[WorkUnit]) -> None:
         for wu in wus:
-            out[wu.i0 : wu.i1, wu.j0 : wu.j1] = self.blobs.get_array(wu.canonical_hash)
+            out[wu.i0 : wu.i1, wu.j0 : wu.j1] = self.canonical_tile(wu)
+
+    def canonical_tile(self, wu: WorkUnit) -> np.ndarray:
+        """A validated work unit's tile, from its blob; recomputed with the kernel (the same
+        bits) when a power cut took the blob, which is not synced."""
+        try:
+            return self.blobs.get_array(wu.canonical_hash)
+        except (BlobNotFound, ValueError):
+            log.warning(
+                "tile %s of work unit %s is gone; recomputing it",
+                wu.canonical_hash[:12],
+                wu.id[:12],
+            )
+            tile = kernels.gemm(
+                self.blobs.get_array(wu.a_panel),
+                self.blobs.get_array(wu.b_panel),
+                trans_a=wu.trans_a,
+                trans_b=wu.trans_b,
+            )
+            self.blobs.put(kernels.encode_array(tile), wu.canonical_hash)
+            return tile
+
+    async def _restore_panels(self, gemm: Gemm, a: np.ndarray, b: np.ndarray) -> None:
+        workunits = self.ledger.workunits_for(gemm.id) or (await self.store.gemm_work(gemm.id))[0]
+        needed = {p for wu in workunits for p in (wu.a_panel, wu.b_panel)}
+        if all(await asyncio.to_thread(lambda: [self.blobs.has(p) for p in needed])):
+            return
+        rows, cols = panels(a, b, gemm.trans_a, gemm.trans_b, gemm.tile, gemm.m, gemm.n)
+        encoded = [kernels.encode_array(p) for p in (*rows, *cols)]
+        await asyncio.to_thread(self.blobs.put_many, [(data, None) for data in encoded])
+        log.warning(
+            "step %d: %s's operand panels were gone; stored again",
+            gemm.step,
+            gemm.label or gemm.id[:12],
+        )
 
     async def _publish(self, gemm: Gemm, a: np.ndarray, b: np.ndarray) -> None:
         """Store the operand panels as blobs, then commit the GEMM and its work units."""
@@ -295,7 +333,7 @@ class Products:
             return
         tile = self.tiles.get(wu.canonical_hash)
         if tile is None:
-            tile = await asyncio.to_thread(self.blobs.get_array, wu.canonical_hash)
+            tile = await asyncio.to_thread(self.canonical_tile, wu)
         output.out[wu.i0 : wu.i1, wu.j0 : wu.j1] = tile
         output.remaining.discard(wu.id)
         if wu.state is not WuState.ASSIMILATED:
@@ -361,14 +399,6 @@ class Products:
         self.ledger.log([Event.about(wu, now, WuState.VALIDATED.value, message)])
         return wu
 
-    def mark_failed(self, gemm: Gemm, message: str) -> None:
-        """The GEMM ends failed; whoever awaits it gets GemmFailed with `message`."""
-        self.ledger.put_gemm(gemm.evolve(state=GemmState.FAILED, error=message))
-        self.failed_here.add(gemm.id)
-        output = self.outputs.pop(gemm.id, None)
-        if output is not None and not output.done.done():
-            output.done.set_exception(GemmFailed(message))
-
     def end_replicas(self, wu: WorkUnit, message: str, now: float) -> int:
         """Unsent results become didnt_need, those in progress aborted (their hosts are told
         in their next work reply); returns how many were aborted."""
@@ -395,22 +425,53 @@ class Products:
         message = f"step {step} cancelled by the operator"
         counts = {"gemms": len(gemms), "workunits": 0, "aborted": 0}
         for gemm in gemms:
-            for wu in self.ledger.workunits_for(gemm.id):
-                if wu.state in WU_DECIDED:
-                    continue
-                counts["workunits"] += 1
-                counts["aborted"] += self.end_replicas(wu, message, now)
-                mask = wu.error_mask | WuError.CANCELLED
-                self.ledger.put_wu(wu.evolve(state=WuState.ERROR, error_mask=mask))
-                self.ledger.log([Event.about(wu, now, "cancelled", message)])
-            self.ledger.log([Event(now, "gemm", "cancelled", message, gemm.step, gemm.id)])
-            self.mark_failed(gemm, message)
+            workunits, aborted = self._drop(gemm, message, now)
+            counts["workunits"] += workunits
+            counts["aborted"] += aborted
+            self.failed_here.add(gemm.id)
         log.warning(
             "%s: %d products, %d work units dropped, %d results in progress aborted",
             message,
             *counts.values(),
         )
         return counts
+
+    def drop_lost(self, now: float) -> int:
+        """At start: an active product whose blobs a power cut took (they are not synced) is
+        dropped, failed as in an earlier run, so that the training loop runs it again when
+        it gets there. Returns how many were dropped."""
+        dropped = 0
+        for gemm in [g for g in self.ledger.gemms.values() if g.state is GemmState.ACTIVE]:
+            needed = set()
+            for wu in self.ledger.workunits_for(gemm.id):
+                needed.update((wu.a_panel, wu.b_panel))
+                needed.update(r.output_hash for r in self.ledger.results_for(wu.id) if r.has_tile)
+            if all(self.blobs.has(blob) for blob in needed):
+                continue
+            message = f"{gemm.label or gemm.id[:12]} of step {gemm.step} lost blobs; run again"
+            log.warning("%s (a power cut?)", message)
+            self._drop(gemm, message, now)
+            dropped += 1
+        return dropped
+
+    def _drop(self, gemm: Gemm, message: str, now: float) -> tuple[int, int]:
+        """End an active GEMM as failed: its undecided work units stop, their hosts are told.
+        Returns (work units dropped, results in progress aborted)."""
+        workunits = aborted = 0
+        for wu in self.ledger.workunits_for(gemm.id):
+            if wu.state in WU_DECIDED:
+                continue
+            workunits += 1
+            aborted += self.end_replicas(wu, message, now)
+            mask = wu.error_mask | WuError.CANCELLED
+            self.ledger.put_wu(wu.evolve(state=WuState.ERROR, error_mask=mask))
+            self.ledger.log([Event.about(wu, now, "cancelled", message)])
+        self.ledger.log([Event(now, "gemm", "cancelled", message, gemm.step, gemm.id)])
+        self.ledger.put_gemm(gemm.evolve(state=GemmState.FAILED, error=message))
+        output = self.outputs.pop(gemm.id, None)
+        if output is not None and not output.done.done():
+            output.done.set_exception(GemmFailed(message))
+        return workunits, aborted
 
     async def prune(self, through_step: int) -> int:
         """Delete the blobs of GEMMs a checkpoint made useless; returns how many."""

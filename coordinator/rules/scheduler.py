@@ -113,14 +113,11 @@ def fast_and_reliable(host: Host, ledger: Ledger) -> bool:
 
 
 def takes_replacement(host: Host, wu: WorkUnit, siblings: list[Result]) -> bool:
-    """Whether a host that already had a replica of wu may get another. Under a quorum never:
-    a late report of its first one still counts, and one host must not be two votes. A
-    work unit that one replica decides (Freivalds) may go back to a host whose replicas all
-    timed out, so that a project with a single volunteer goes on after a missed deadline;
-    not to one that gave it back (it would take it back, and give it back, until the work
-    unit's budget ran out), erred on it or still holds it."""
-    if wu.min_quorum > 1:
-        return False
+    """Whether a host that already had a replica of wu may get another: only when all of
+    its replicas of it timed out, so that a project with few volunteers goes on after a
+    missed deadline (a late report of the first still arrives, but the validator counts one
+    vote per host). Never to one that gave it back (it would take it back, and give it back,
+    until the work unit's budget ran out), erred on it or still holds it."""
     mine = [r for r in siblings if r.host_id == host.id]
     return all(timed_out(r) for r in mine)
 

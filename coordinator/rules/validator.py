@@ -58,12 +58,9 @@ def single_replica(wu: WorkUnit) -> bool:
 
 
 def quorum_group(wu: WorkUnit, results: list[Result]) -> list[Result]:
-    """The results whose hash at least min_quorum successes share (ties: smallest hash)."""
-    candidates = [
-        r
-        for r in results
-        if r.outcome is Outcome.SUCCESS and r.validate_state is not ValidateState.INVALID
-    ]
+    """The results whose hash at least min_quorum hosts share (ties: smallest hash). One
+    vote per host: a host given a new replica after its first timed out may report both."""
+    candidates = votes(results)
     tally = Counter(r.output_hash for r in candidates)
     if not tally:
         return []
@@ -72,6 +69,18 @@ def quorum_group(wu: WorkUnit, results: list[Result]) -> list[Result]:
         return []
     winner = min(h for h, n in tally.items() if n == best)
     return sorted((r for r in candidates if r.output_hash == winner), key=_arrival)
+
+
+def votes(results: list[Result]) -> list[Result]:
+    """The successes not judged invalid, the first of each host only."""
+    counted, voted = [], set()
+    for r in sorted(results, key=_arrival):
+        if r.outcome is not Outcome.SUCCESS or r.validate_state is ValidateState.INVALID:
+            continue
+        if r.host_id not in voted:
+            voted.add(r.host_id)
+            counted.append(r)
+    return counted
 
 
 def _arrival(r: Result) -> tuple[float, str]:
@@ -184,11 +193,7 @@ def _decide_quorum(wu, results, checks, mark, out: Decision, now: float) -> None
     pending = awaiting_verdict(results)
     group = quorum_group(wu, results)
     if not group:
-        successes = [
-            r
-            for r in results
-            if r.outcome is Outcome.SUCCESS and r.validate_state is not ValidateState.INVALID
-        ]
+        successes = votes(results)
         if len(successes) >= wu.min_quorum:
             sizes = sorted(Counter(r.output_hash for r in successes).values(), reverse=True)
             target = max(wu.target_nresults, len(successes) + 1)

@@ -2,44 +2,15 @@
 
 from __future__ import annotations
 
-import ctypes
 import os
 import tempfile
 import threading
 from collections import OrderedDict
-from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
 
 from kernels import blob_id, decode_array, encode_array, is_blob_id, verify_blob
-
-
-def _libc_syncfs() -> Callable[[int], int] | None:
-    try:
-        syncfs = ctypes.CDLL(None, use_errno=True).syncfs
-    except (AttributeError, OSError):  # not Linux: fsync file by file instead
-        return None
-    syncfs.argtypes = [ctypes.c_int]
-    return syncfs
-
-
-_SYNCFS = _libc_syncfs()
-
-
-def sync_filesystem(directory: Path) -> bool:
-    """Make everything written to `directory`'s file system durable (Linux's syncfs): one
-    barrier for many files. False where there is no syncfs."""
-    if _SYNCFS is None:
-        return False
-    fd = os.open(directory, os.O_RDONLY)
-    try:
-        if _SYNCFS(fd) != 0:
-            err = ctypes.get_errno()
-            raise OSError(err, f"syncfs: {os.strerror(err)}", str(directory))
-    finally:
-        os.close(fd)
-    return True
 
 
 def write_atomic(path: Path, data: bytes | memoryview) -> None:
@@ -103,10 +74,9 @@ class RecentBlobs:
 class BlobStore:
     """Blobs under `root/<first two hex digits>/<id>`, each written once and atomically.
 
-    A blob is written to a temporary file in its final directory, made durable, renamed
-    into place and the rename made durable, so after a crash a blob is either whole or
-    absent (put_many does this for many blobs with one sync of the file system each time).
-    Reads verify the bytes against the id, so a corrupted disk never feeds a tile.
+    A blob is written to a temporary file in its final directory and renamed into place, so
+    it is whole or absent. Reads verify the bytes against the id, so a corrupted disk never
+    feeds a tile: a reader that finds a blob missing or damaged recomputes it.
     """
 
     def __init__(self, root: Path | str, max_blob_bytes: int, memory_bytes: int = 64 << 20) -> None:
@@ -135,11 +105,11 @@ class BlobStore:
         return self.put_many([(data, expected)], serve=serve)[0]
 
     def put_many(self, blobs: list[tuple[bytes, str | None]], *, serve: bool = False) -> list[str]:
-        """Store several blobs, durable and whole or absent when this returns, as put does,
-        for two file-system syncs in all instead of two fsyncs per blob: each new blob goes
-        to a temporary file, one sync makes their bytes durable, they are renamed into
-        place, and a second sync makes the names durable. A product's panels or a report's
-        tiles then cost milliseconds, not a millisecond each."""
+        """Store several blobs, each whole or absent: written to a temporary file and renamed
+        into place. Not synced: blobs are a step's intermediate products, which the step
+        recomputes bit for bit from its inputs after a power cut (a process killed at any
+        moment leaves its written files to the kernel, which keeps them); see "Durability"
+        in docs/architecture.md for what is synced and when."""
         ids = []
         for data, expected in blobs:
             if len(data) > self.max_blob_bytes:
@@ -151,35 +121,23 @@ class BlobStore:
             else:
                 verify_blob(data, expected)
             ids.append(expected)
-        new = {blob: data for blob, (data, _) in zip(ids, blobs, strict=True) if not self.has(blob)}
-        if len(new) == 1 or (new and _SYNCFS is None):
-            for blob, data in new.items():
-                self.path(blob).parent.mkdir(parents=True, exist_ok=True)
-                write_atomic(self.path(blob), data)
-        elif new:
-            self._write_synced(new)
-        if serve:
-            for blob, (data, _) in zip(ids, blobs, strict=True):
+        for blob, (data, _) in zip(ids, blobs, strict=True):
+            if not self.has(blob):
+                self._write(self.path(blob), data)
+            if serve:
                 self.recent.add(blob, data)
         return ids
 
-    def _write_synced(self, new: dict[str, bytes]) -> None:
-        staged: list[tuple[str, Path]] = []
+    @staticmethod
+    def _write(final: Path, data: bytes) -> None:
+        final.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=final.parent, prefix=".tmp-")
         try:
-            for blob, data in new.items():
-                final = self.path(blob)
-                final.parent.mkdir(parents=True, exist_ok=True)
-                fd, tmp = tempfile.mkstemp(dir=final.parent, prefix=".tmp-")
-                staged.append((tmp, final))
-                with os.fdopen(fd, "wb") as f:
-                    f.write(data)
-            sync_filesystem(self.root)
-            for tmp, final in staged:
-                os.replace(tmp, final)
-            sync_filesystem(self.root)
+            with os.fdopen(fd, "wb") as f:
+                f.write(data)
+            os.replace(tmp, final)
         except BaseException:
-            for tmp, _ in staged:
-                Path(tmp).unlink(missing_ok=True)
+            Path(tmp).unlink(missing_ok=True)
             raise
 
     def delete(self, blob: str) -> None:
