@@ -23,6 +23,7 @@ from coordinator.work.protocol import (
     RetryLater,
     TooLarge,
     UnsupportedMediaType,
+    loggable,
 )
 from kernels import is_blob_id
 
@@ -44,34 +45,36 @@ def error_response(status: int, code: str, message: str) -> web.Response:
     return msgpack_response({"error": code, "message": message}, status=status)
 
 
+def _refused(request: web.Request, status: int, detail: str = "") -> None:
+    """One log line for a refused request; the path, the address and the detail came from
+    the network, so they are escaped."""
+    log.warning(
+        "%s %s from %s: %d%s",
+        loggable(request.method),
+        loggable(request.path),
+        loggable(request.remote),
+        status,
+        f" {loggable(detail)}" if detail else "",
+    )
+
+
 @web.middleware
 async def errors(request: web.Request, handler: Handler) -> web.StreamResponse:
     """Every refusal is a 4xx with a msgpack {error, message} body and one log line."""
     try:
         return await handler(request)
     except ProtocolError as exc:
-        log.warning(
-            "%s %s from %s: %d %s",
-            request.method,
-            request.path,
-            request.remote,
-            exc.status,
-            exc.message,
-        )
+        _refused(request, exc.status, exc.message)
         response = error_response(exc.status, exc.code, exc.message)
         if isinstance(exc, RetryLater):
             response.headers["Retry-After"] = str(max(1, math.ceil(exc.retry_after)))
         return response
     except web.HTTPRequestEntityTooLarge as exc:
-        log.warning(
-            "%s %s from %s: 413 body too large", request.method, request.path, request.remote
-        )
+        _refused(request, 413, "body too large")
         return error_response(413, "too_large", exc.text or "body too large")
     except web.HTTPException as exc:
         if exc.status >= 400:
-            log.warning(
-                "%s %s from %s: %d", request.method, request.path, request.remote, exc.status
-            )
+            _refused(request, exc.status)
             return error_response(exc.status, exc.reason.lower().replace(" ", "_"), exc.reason)
         raise
 
@@ -127,7 +130,8 @@ async def register(request: web.Request) -> web.Response:
     co = request.app[COORDINATOR]
     message = protocol.parse_register(await read_body(request, MAX_REGISTER_BYTES))
     host, token = await co.register(message, time.time(), request.remote or "?")
-    log.info("registered host %d %r from %s", host.id, host.name, request.remote)
+    # The name is printable (checked in protocol) and %r quotes it.
+    log.info("registered host %d %r from %s", host.id, host.name, loggable(request.remote))
     return msgpack_response({"host_id": host.id, "token": token, "protocol": protocol.VERSION})
 
 
@@ -248,7 +252,8 @@ class MalformedHttpFilter(logging.Filter):
     def filter(self, record: logging.LogRecord) -> bool:
         exc = record.exc_info[1] if record.exc_info else None
         if isinstance(exc, HttpProcessingError):
-            record.msg = f"{record.getMessage()}: malformed HTTP: {exc.message or exc}"
+            # aiohttp's message quotes the bad bytes over several lines: one escaped line.
+            record.msg = loggable(f"{record.getMessage()}: malformed HTTP: {exc.message or exc}")
             record.args = ()
             record.exc_info = None
             record.exc_text = None
