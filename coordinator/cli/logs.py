@@ -14,6 +14,7 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
+from coordinator.state.integrity import has_trained
 from coordinator.state.reader import ProjectReader
 
 TASK_KINDS = ("gemm", "wu", "result")
@@ -47,7 +48,11 @@ class ProjectView:
     def __init__(self, directory: Path | str) -> None:
         self.directory = Path(directory)
         self.db_path = self.directory / "state.db"
-        if not self.db_path.exists():
+        # A 0-byte file is what SQLite leaves when killed before its first write (the reader
+        # refuses one in a project that has trained: its state is gone).
+        if not self.db_path.exists() or (
+            self.db_path.stat().st_size == 0 and not has_trained(self.directory)
+        ):
             raise InspectError(
                 f"{self.directory} has no state.db: not a project, or its coordinator never ran"
             )

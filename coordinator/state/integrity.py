@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import sqlite3
+from collections.abc import Iterator
 from pathlib import Path
 
 # SQLite's names for a file that is not a database, or one whose pages do not add up.
@@ -27,6 +28,18 @@ class DamagedState(Exception):
 def is_damage(exc: sqlite3.DatabaseError) -> bool:
     """Whether SQLite failed because the file is damaged (not because it is busy or locked)."""
     return getattr(exc, "sqlite_errorname", None) in DAMAGE
+
+
+@contextlib.contextmanager
+def reported(path: Path) -> Iterator[None]:
+    """Turn SQLite's complaint about a damaged file into DamagedState; other errors (a busy
+    or locked database) pass unchanged."""
+    try:
+        yield
+    except sqlite3.DatabaseError as exc:
+        if is_damage(exc):
+            raise DamagedState(path, str(exc)) from exc
+        raise
 
 
 def has_trained(directory: Path) -> bool:
@@ -54,15 +67,11 @@ def check(path: Path) -> None:
     check_empty(path)
     if path.stat().st_size == 0:
         return
-    try:
+    with reported(path):
         connection = sqlite3.connect(f"file:{path}?mode=rw", uri=True, timeout=10)
         with contextlib.closing(connection) as db:
             verdict = [row[0] for row in db.execute("PRAGMA quick_check")]
             tables = {row[0] for row in db.execute("SELECT name FROM sqlite_master")}
-    except sqlite3.DatabaseError as exc:
-        if is_damage(exc):
-            raise DamagedState(path, str(exc)) from exc
-        raise
     if verdict != ["ok"]:
         raise DamagedState(path, f"SQLite's check says: {verdict[0]}")
     if tables and "workunits" not in tables:

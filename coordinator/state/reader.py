@@ -39,14 +39,12 @@ class ProjectReader:
 
     def _rows(self, query: str, /, **params: Any) -> list[sqlite3.Row]:
         try:
-            return self._db.execute(self._sql[query], params).fetchall()
-        except sqlite3.DatabaseError as exc:
-            if integrity.is_damage(exc):
-                raise integrity.DamagedState(self.path, str(exc)) from exc
+            with integrity.reported(self.path):
+                return self._db.execute(self._sql[query], params).fetchall()
+        except sqlite3.OperationalError as exc:
             if "no such table" in str(exc):
-                # An empty file of a project that never ran, or another program's database.
                 raise integrity.DamagedState(
-                    self.path, "it holds no tilehive state: no coordinator ever ran here"
+                    self.path, "it is a SQLite database, but not a tilehive project's state"
                 ) from exc
             raise
 
