@@ -134,3 +134,46 @@ class Reaper:
             if process.poll() is None:
                 process.kill()
             process.wait()
+
+
+def poll(predicate, timeout: float = 60, what: str = "the condition") -> None:
+    """Wait for `predicate()` with a deadline (never a bare sleep as synchronisation)."""
+    import time
+
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{what} not reached in {timeout:g}s")
+        time.sleep(0.02)
+
+
+COORDINATOR = [sys.executable, "-m", "coordinator.cli", "coordinator"]
+
+
+def start_coordinator(directory: Path, bind: str, log: Path, *options: str) -> subprocess.Popen:
+    """`tilehive coordinator DIR --bind BIND` as a user starts it; stdout is a pipe (its first
+    line names the URL), stderr goes to `log`."""
+    with log.open("ab") as stderr:
+        return subprocess.Popen(
+            [*COORDINATOR, str(directory), "--bind", bind, *options],
+            stdout=subprocess.PIPE,
+            stderr=stderr,
+            text=True,
+            cwd=ROOT,
+            env=ENV,
+        )
+
+
+def first_url(process: subprocess.Popen, timeout: float = 60) -> str:
+    """The URL a coordinator announces on its first stdout line (it started serving); closes
+    the pipe after it."""
+    import select
+
+    ready, _, _ = select.select([process.stdout], [], [], timeout)
+    if not ready:
+        raise TimeoutError(f"no URL from the coordinator in {timeout:g}s")
+    line = process.stdout.readline()
+    process.stdout.close()  # the coordinator copes with a reader that stopped listening
+    if "http://" not in line:
+        raise AssertionError(f"the coordinator did not start: {line!r}")
+    return line[line.index("http://") :].split()[0]

@@ -6,7 +6,6 @@ import contextlib
 import json
 import shutil
 import signal
-import sqlite3
 import subprocess
 import sys
 import tempfile
@@ -17,6 +16,7 @@ from pathlib import Path
 import click
 from tqdm import tqdm
 
+from coordinator.state.reader import ProjectReader
 from coordinator.training import project as projects
 
 POLL = 0.5
@@ -53,20 +53,10 @@ def _stop(process: subprocess.Popen, timeout: float = 15.0) -> None:
 
 
 def _summary(directory: Path) -> list[str]:
-    with sqlite3.connect(f"file:{directory / 'state.db'}?mode=ro", uri=True) as db:
-        states = dict(
-            db.execute(
-                "SELECT CASE WHEN outcome IN ('didnt_need', 'aborted') THEN 'not needed' "
-                "WHEN outcome IN ('client_error', 'no_reply') THEN 'failed' "
-                "WHEN validate_state = 'init' THEN 'pending' ELSE validate_state END, "
-                "COUNT(*) FROM results GROUP BY 1"
-            )
-        )
-        hosts = db.execute(
-            "SELECT name, valid_count, invalid_count, error_count FROM hosts ORDER BY id"
-        ).fetchall()
-        gemms = db.execute("SELECT COUNT(*) FROM gemms").fetchone()[0]
-        wus = db.execute("SELECT COUNT(*) FROM workunits").fetchone()[0]
+    with ProjectReader(directory / "state.db") as reader:
+        states = reader.result_verdicts()
+        hosts = reader.host_totals()
+        gemms, wus = reader.product_counts()
     lines = [
         f"validation: {wus} work units in {gemms} products; results "
         + ", ".join(f"{n} {state}" for state, n in sorted(states.items())),

@@ -1,20 +1,21 @@
-"""Reading a project without its coordinator: task and validation logs, and status.
+"""Task and validation logs and status of a project, read without its coordinator.
 
-A read-only SQLite connection to DIR/state.db (WAL lets it read while the coordinator
-writes), so `tilehive logs` and `tilehive status` work while the coordinator runs, after it
-stopped, and across its restarts.
+The reading is coordinator.state.reader's (named read-only queries, safe while the
+coordinator writes); this module shapes rows into what `tilehive logs` and `status` print.
 """
 
 from __future__ import annotations
 
 import json
 import re
-import sqlite3
 import time
 from collections import defaultdict
 from datetime import datetime
 from pathlib import Path
 from typing import Any
+
+from coordinator.state.integrity import has_trained
+from coordinator.state.reader import ProjectReader
 
 TASK_KINDS = ("gemm", "wu", "result")
 
@@ -41,21 +42,24 @@ def parse_since(value: str | None, now: float | None = None) -> float | None:
 
 
 class ProjectView:
+    """A project's tasks, events and status, shaped for `tilehive logs` and `status`; the
+    reading itself is the state package's ProjectReader."""
+
     def __init__(self, directory: Path | str) -> None:
         self.directory = Path(directory)
         self.db_path = self.directory / "state.db"
-        if not self.db_path.exists():
+        # A 0-byte file is what SQLite leaves when killed before its first write (the reader
+        # refuses one in a project that has trained: its state is gone).
+        if not self.db_path.exists() or (
+            self.db_path.stat().st_size == 0 and not has_trained(self.directory)
+        ):
             raise InspectError(
                 f"{self.directory} has no state.db: not a project, or its coordinator never ran"
             )
-        self.db = sqlite3.connect(f"file:{self.db_path}?mode=ro", uri=True, timeout=10)
-        self.db.row_factory = sqlite3.Row
+        self.reader = ProjectReader(self.db_path)
 
     def close(self) -> None:
-        self.db.close()
-
-    def _rows(self, sql: str, *params: Any) -> list[sqlite3.Row]:
-        return self.db.execute(sql, params).fetchall()
+        self.reader.close()
 
     def host_id(self, host: str | None) -> int | None:
         """A host given by id or by name."""
@@ -63,13 +67,13 @@ class ProjectView:
             return None
         if host.isdigit():
             return int(host)
-        rows = self._rows("SELECT id FROM hosts WHERE name = ? ORDER BY id", host)
-        if not rows:
+        ids = self.reader.host_ids_named(host)
+        if not ids:
             raise InspectError(f"no host named {host!r}")
-        return rows[-1]["id"]
+        return ids[-1]
 
     def host_names(self) -> dict[int, str]:
-        return {r["id"]: r["name"] for r in self._rows("SELECT id, name FROM hosts")}
+        return {r["id"]: r["name"] for r in self.reader.hosts()}
 
     # ---- tasks -------------------------------------------------------------------------
 
@@ -83,34 +87,12 @@ class ProjectView:
         limit: int = 200,
     ) -> list[dict[str, Any]]:
         """Work units with their results, newest last."""
-        where, params = ["1 = 1"], []
-        if step is not None:
-            where.append("w.step = ?")
-            params.append(step)
-        if state is not None:
-            where.append("w.state = ?")
-            params.append(state)
-        if since is not None:
-            where.append("w.created >= ?")
-            params.append(since)
-        host_id = self.host_id(host)
-        if host_id is not None:
-            where.append("w.id IN (SELECT wu_id FROM results WHERE host_id = ?)")
-            params.append(host_id)
-        wus = self._rows(
-            "SELECT w.*, g.label FROM workunits w JOIN gemms g ON g.id = w.gemm_id "
-            f"WHERE {' AND '.join(where)} ORDER BY w.created DESC, w.i0 DESC, w.j0 DESC "
-            "LIMIT ?",
-            *params,
-            limit,
+        wus = self.reader.workunits(
+            step=step, state=state, since=since, host_id=self.host_id(host), limit=limit
         )
-        results: dict[str, list[sqlite3.Row]] = defaultdict(list)
-        ids = [w["id"] for w in wus]
-        for chunk in range(0, len(ids), 500):
-            part = ids[chunk : chunk + 500]
-            marks = ",".join("?" * len(part))
-            for r in self._rows(f"SELECT * FROM results WHERE wu_id IN ({marks})", *part):
-                results[r["wu_id"]].append(r)
+        results: dict[str, list] = defaultdict(list)
+        for r in self.reader.results_of(w["id"] for w in wus):
+            results[r["wu_id"]].append(r)
         names = self.host_names()
         out = []
         for w in reversed(wus):
@@ -154,19 +136,14 @@ class ProjectView:
         since: float | None = None,
         limit: int = 10_000,
     ) -> list[dict[str, Any]]:
-        where = [f"kind IN ({','.join('?' * len(kinds))})", "id > ?"]
-        params: list[Any] = [*kinds, after]
-        for column, value in (("step", step), ("state", state), ("host_id", self.host_id(host))):
-            if value is not None:
-                where.append(f"{column} = ?")
-                params.append(value)
-        if since is not None:
-            where.append("time >= ?")
-            params.append(since)
-        rows = self._rows(
-            f"SELECT * FROM events WHERE {' AND '.join(where)} ORDER BY id LIMIT ?",
-            *params,
-            limit,
+        rows = self.reader.events(
+            kinds=kinds,
+            after=after,
+            step=step,
+            state=state,
+            host_id=self.host_id(host),
+            since=since,
+            limit=limit,
         )
         names = self.host_names()
         out = []
@@ -179,16 +156,16 @@ class ProjectView:
         return out
 
     def last_event_id(self) -> int:
-        return self._rows("SELECT COALESCE(MAX(id), 0) AS n FROM events")[0]["n"]
+        return self.reader.last_event_id()
 
     # ---- status ------------------------------------------------------------------------
 
     def status(self) -> dict[str, Any]:
         """The same summary the coordinator serves at /v1/status, from the files alone."""
-        wus = dict(self._rows("SELECT state, COUNT(*) FROM workunits GROUP BY state"))
-        results = dict(self._rows("SELECT server_state, COUNT(*) FROM results GROUP BY 1"))
+        wus = self.reader.workunit_counts()
+        results = self.reader.result_counts()
         now = time.time()
-        hosts = self._rows("SELECT last_contact, quarantined FROM hosts")
+        hosts = self.reader.hosts()
         states = {"active": 0, "idle": 0, "quarantined": 0}
         for h in hosts:
             key = (
@@ -197,11 +174,7 @@ class ProjectView:
                 else ("active" if now - h["last_contact"] < 300 else "idle")
             )
             states[key] += 1
-        recent = self._rows(
-            "SELECT COUNT(*) FROM events WHERE kind = 'result' AND state = 'success' AND time >= ?",
-            now - 60,
-        )[0][0]
-        invalid = self._rows("SELECT COUNT(*) FROM results WHERE validate_state = 'invalid'")[0][0]
+        recent = self.reader.count_events_since("result", "success", now - 60)
         return {
             "workunits": wus,
             "results": results,
@@ -209,7 +182,7 @@ class ProjectView:
             "host_states": states,
             "hosts_quarantined": states["quarantined"],
             "tiles_per_second": round(recent / 60, 2),
-            "invalid": invalid,
+            "invalid": self.reader.invalid_count(),
             "training": training_progress(self.directory),
         }
 

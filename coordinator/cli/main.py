@@ -11,6 +11,8 @@ import click
 import numpy as np
 
 import kernels
+from coordinator.state.integrity import DamagedState
+from coordinator.state.lock import ProjectBusy, ProjectLock
 from coordinator.training.corpus import CorpusError
 from coordinator.training.project import MODELS, ProjectError
 from coordinator.training.project import create as create_project
@@ -110,23 +112,29 @@ def selftest(threads: int, size: int) -> None:
 
 
 def _fail_on_project_error(fn):
-    """Bad settings and missing projects become a clear message, never a traceback."""
+    """Bad settings, missing, busy or damaged projects become a clear message, never a
+    traceback."""
     import functools
 
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
         try:
             return fn(*args, **kwargs)
-        except (ProjectError, CorpusError) as exc:
+        except (ProjectError, CorpusError, ProjectBusy, DamagedState) as exc:
             raise click.ClickException(str(exc)) from exc
 
     return wrapper
 
 
 def _bind(value: str) -> tuple[str, int]:
+    """HOST:PORT, or one line saying what is wrong with it."""
+    if "://" in value:
+        raise click.ClickException(
+            f"--bind {value!r} is a URL: give HOST:PORT to listen on (e.g. 0.0.0.0:8470)"
+        )
     host, _, port = value.rpartition(":")
     if not host or not port.isdigit() or not 0 <= int(port) <= 65535:
-        raise click.BadParameter(f"{value!r} is not HOST:PORT (e.g. 0.0.0.0:8470)")
+        raise click.ClickException(f"--bind {value!r} is not HOST:PORT (e.g. 0.0.0.0:8470)")
     return host.strip("[]"), int(port)
 
 
@@ -173,11 +181,16 @@ def coordinator_command(directory: Path, bind: str, keep_serving: bool, log_form
     import asyncio
 
     from coordinator.cli.serve import host_project
+    from coordinator.server.api import CannotListen
 
     host, port = _bind(bind)
     project = load_project(directory)
     configure_logging(log_format)
-    sys.exit(asyncio.run(host_project(project, host, port, keep_serving)))
+    try:
+        code = asyncio.run(host_project(project, host, port, keep_serving))
+    except CannotListen as exc:
+        raise click.ClickException(str(exc)) from exc
+    sys.exit(code)
 
 
 @main.command()
@@ -209,7 +222,10 @@ def train(directory: Path, local: bool, steps: int | None, threads: int) -> None
         val = f"  val_loss {r.val_loss:.4f}" if r.val_loss is not None else ""
         click.echo(f"step {r.step}/{r.steps}  loss {r.loss:.4f}{val}  ({r.seconds:.2f}s)")
 
-    asyncio.run(trainer.run(until=steps, on_step=show))
+    # It writes the project's checkpoints: never beside a coordinator, or another local run.
+    with ProjectLock(project.directory) as lock:
+        lock.acquire("train --local")
+        asyncio.run(trainer.run(until=steps, on_step=show))
     click.echo(f"checkpoints: {project.checkpoints}")
 
 
@@ -320,6 +336,7 @@ def with_filters(fn):
     show_default=True,
     help="The most recent work units to list.",
 )
+@_fail_on_project_error
 def logs_tasks(directory, step, state, host, since, follow, as_json, limit) -> None:
     """Work units and their results: where each tile went and what became of it."""
     import json
@@ -361,6 +378,7 @@ def logs_tasks(directory, step, state, host, since, follow, as_json, limit) -> N
 @logs.command("validation")
 @click.argument("directory", type=click.Path(file_okay=False, path_type=Path))
 @with_filters
+@_fail_on_project_error
 def logs_validation(directory, step, state, host, since, follow, as_json) -> None:
     """Every validation decision: method, outcome, the reason with its numbers, host trust."""
     import json
@@ -398,6 +416,7 @@ def logs_validation(directory, step, state, host, since, follow, as_json) -> Non
 @main.command()
 @click.argument("target")
 @option("--json", "as_json", is_flag=True, help="Print the status as JSON.")
+@_fail_on_project_error
 def status(target: str, as_json: bool) -> None:
     """How far training is: from a project directory, or a running coordinator's URL."""
     import json

@@ -19,6 +19,8 @@ from coordinator.engine.products import GemmFailed
 from coordinator.rules.access import AccessConfig
 from coordinator.rules.scheduler import SchedulerConfig
 from coordinator.server.api import serve
+from coordinator.state import integrity
+from coordinator.state.lock import ProjectLock
 from coordinator.state.sqlite import SqliteStore
 from coordinator.training.project import Project
 from coordinator.training.trainer import StepReport, Trainer
@@ -75,34 +77,73 @@ def announce(text: str) -> None:
         os.close(devnull)
 
 
+class Interrupts:
+    """SIGINT and SIGTERM, from the first moment of host_project: while starting, the start
+    is unwound (there is nothing to save yet); once serving, training stops in order; asked a
+    second time, the process exits at once. Ctrl-C always stops the coordinator."""
+
+    def __init__(self) -> None:
+        self.stop = asyncio.Event()
+        self.starting = True
+        self._main = asyncio.current_task()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, self._interrupted)
+
+    def _interrupted(self) -> None:
+        if self.stop.is_set():
+            # Asked twice: the operator will not wait for the orderly stop. What is committed
+            # is safe as after kill -9, and a restart resumes from it.
+            announce("stopping now, without waiting")
+            os._exit(130)
+        self.stop.set()
+        if self.starting and self._main is not None:
+            self._main.cancel()
+
+
 async def host_project(project: Project, bind_host: str, port: int, keep_serving: bool) -> int:
-    """Serve and train until the project's steps are done; returns the exit code."""
+    """Serve and train until the project's steps are done; returns the exit code. Raises
+    ProjectBusy (another process runs the project), DamagedState (state.db cannot be read)
+    or CannotListen (the bind failed), each with a message for the operator."""
     # The training thread computes while this one serves: every time the server's loop
     # waits on a socket it must win the GIL back, and at Python's default 5 ms a request
     # of a dozen such waits takes tens of milliseconds (the convoy effect).
     sys.setswitchinterval(SWITCH_INTERVAL)
-    coordinator = Coordinator(
-        coordinator_config(project), SqliteStore(project.directory / "state.db")
-    )
-    runner, url = await serve(coordinator, bind_host, port)
+    interrupts = Interrupts()
     try:
-        announce(
-            f"tilehive coordinator: volunteers connect to {public_url(bind_host, url)}\n"
-            f"  e.g. tilehive volunteer start {public_url(bind_host, url)}"
-        )
-        return await _train(coordinator, project, url, keep_serving)
-    finally:
-        # Always, whatever went wrong: this closes the database, whose worker thread would
-        # otherwise keep the process from exiting.
-        await runner.cleanup()
+        with ProjectLock(project.directory) as lock:
+            lock.acquire("coordinator")
+            state = project.directory / "state.db"
+            await asyncio.to_thread(integrity.check, state)
+            coordinator = Coordinator(coordinator_config(project), SqliteStore(state))
+            with integrity.reported(state):
+                runner, url = await serve(coordinator, bind_host, port)
+            interrupts.starting = False
+            try:
+                public = public_url(bind_host, url)
+                lock.describe(url=public)
+                announce(
+                    f"tilehive coordinator: volunteers connect to {public}\n"
+                    f"  e.g. tilehive volunteer start {public}"
+                )
+                return await _train(coordinator, project, url, keep_serving, interrupts.stop)
+            finally:
+                # Always, whatever went wrong: this closes the database, whose worker thread
+                # would otherwise keep the process from exiting.
+                await runner.cleanup()
+    except asyncio.CancelledError:
+        if not (interrupts.starting and interrupts.stop.is_set()):
+            raise
+        asyncio.current_task().uncancel()
+        announce("stopped while starting")
+        return 130
 
 
-async def _train(coordinator: Coordinator, project: Project, url: str, keep_serving: bool) -> int:
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, stop.set)
+async def _train(
+    coordinator: Coordinator, project: Project, url: str, keep_serving: bool, stop: asyncio.Event
+) -> int:
     steps = project.training.steps
+    loop = asyncio.get_running_loop()
 
     def on_step(report: StepReport) -> None:
         coordinator.progress.record_step(
@@ -160,7 +201,7 @@ async def _train(coordinator: Coordinator, project: Project, url: str, keep_serv
     finally:
         stopper.cancel()
         if not training.done():
-            # Cancelled from outside: the training thread must not outlive the server.
+            # Cancelled from outside: the training thread must not outlive the database.
             training.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await training

@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import errno
 import logging
 import math
+import socket
 import time
 from collections.abc import Awaitable, Callable, Sequence
 
@@ -23,6 +26,7 @@ from coordinator.work.protocol import (
     RetryLater,
     TooLarge,
     UnsupportedMediaType,
+    loggable,
 )
 from kernels import is_blob_id
 
@@ -44,34 +48,36 @@ def error_response(status: int, code: str, message: str) -> web.Response:
     return msgpack_response({"error": code, "message": message}, status=status)
 
 
+def _refused(request: web.Request, status: int, detail: str = "") -> None:
+    """One log line for a refused request; the path, the address and the detail came from
+    the network, so they are escaped."""
+    log.warning(
+        "%s %s from %s: %d%s",
+        loggable(request.method),
+        loggable(request.path),
+        loggable(request.remote),
+        status,
+        f" {loggable(detail)}" if detail else "",
+    )
+
+
 @web.middleware
 async def errors(request: web.Request, handler: Handler) -> web.StreamResponse:
     """Every refusal is a 4xx with a msgpack {error, message} body and one log line."""
     try:
         return await handler(request)
     except ProtocolError as exc:
-        log.warning(
-            "%s %s from %s: %d %s",
-            request.method,
-            request.path,
-            request.remote,
-            exc.status,
-            exc.message,
-        )
+        _refused(request, exc.status, exc.message)
         response = error_response(exc.status, exc.code, exc.message)
         if isinstance(exc, RetryLater):
             response.headers["Retry-After"] = str(max(1, math.ceil(exc.retry_after)))
         return response
     except web.HTTPRequestEntityTooLarge as exc:
-        log.warning(
-            "%s %s from %s: 413 body too large", request.method, request.path, request.remote
-        )
+        _refused(request, 413, "body too large")
         return error_response(413, "too_large", exc.text or "body too large")
     except web.HTTPException as exc:
         if exc.status >= 400:
-            log.warning(
-                "%s %s from %s: %d", request.method, request.path, request.remote, exc.status
-            )
+            _refused(request, exc.status)
             return error_response(exc.status, exc.reason.lower().replace(" ", "_"), exc.reason)
         raise
 
@@ -127,7 +133,8 @@ async def register(request: web.Request) -> web.Response:
     co = request.app[COORDINATOR]
     message = protocol.parse_register(await read_body(request, MAX_REGISTER_BYTES))
     host, token = await co.hosts.register(message, time.time(), request.remote or "?")
-    log.info("registered host %d %r from %s", host.id, host.name, request.remote)
+    # The name is printable (checked in protocol) and %r quotes it.
+    log.info("registered host %d %r from %s", host.id, host.name, loggable(request.remote))
     return msgpack_response({"host_id": host.id, "token": token, "protocol": protocol.VERSION})
 
 
@@ -223,7 +230,14 @@ def create_app(coordinator: Coordinator, outer: Sequence[Middleware] = ()) -> we
     app[COORDINATOR] = coordinator
 
     async def lifetime(app: web.Application):
-        await coordinator.start()
+        try:
+            await coordinator.start()
+        except BaseException:
+            # aiohttp cleans up only what started: close the store here, or its thread would
+            # keep the process alive after the error (which is the one to report).
+            with contextlib.suppress(Exception):
+                await coordinator.stop()
+            raise
         yield
         await coordinator.stop()
 
@@ -248,7 +262,8 @@ class MalformedHttpFilter(logging.Filter):
     def filter(self, record: logging.LogRecord) -> bool:
         exc = record.exc_info[1] if record.exc_info else None
         if isinstance(exc, HttpProcessingError):
-            record.msg = f"{record.getMessage()}: malformed HTTP: {exc.message or exc}"
+            # aiohttp's message quotes the bad bytes over several lines: one escaped line.
+            record.msg = loggable(f"{record.getMessage()}: malformed HTTP: {exc.message or exc}")
             record.args = ()
             record.exc_info = None
             record.exc_text = None
@@ -265,8 +280,10 @@ def quiet_malformed_http() -> None:
 async def serve(
     coordinator: Coordinator, host: str, port: int, outer: Sequence[Middleware] = ()
 ) -> tuple[web.AppRunner, str]:
-    """Start serving; returns the runner (call `cleanup()` to stop) and the base URL."""
+    """Start serving; returns the runner (call `cleanup()` to stop) and the base URL. Raises
+    CannotListen, with the reason in the operator's terms, if it cannot bind."""
     quiet_malformed_http()
+    await check_bind(host, port)
     # aiohttp's keep-alive timer runs from the connection's start and is not reset by
     # partial data: a client trickling its headers is dropped when it fires.
     runner = web.AppRunner(
@@ -276,6 +293,47 @@ async def serve(
     )
     await runner.setup()
     site = web.TCPSite(runner, host, port)
-    await site.start()
+    try:
+        await site.start()
+    except BaseException as exc:
+        await runner.cleanup()  # stops the coordinator: nothing may outlive a failed start
+        if isinstance(exc, OSError):
+            raise CannotListen(bind_failure(host, port, exc)) from exc
+        raise
     bound_host, bound_port = runner.addresses[0][:2]
     return runner, f"http://{bound_host}:{bound_port}"
+
+
+class CannotListen(Exception):
+    """The server cannot listen where it was asked to."""
+
+
+async def check_bind(host: str, port: int) -> None:
+    """Raise CannotListen if host:port cannot be bound, before the coordinator starts (and
+    before it touches its database): a probe socket binds every address of the name."""
+    loop = asyncio.get_running_loop()
+    try:
+        addresses = await loop.getaddrinfo(
+            host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
+        )
+        for family, kind, proto, _, address in addresses:
+            with socket.socket(family, kind, proto) as probe:
+                probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as the server
+                if family == socket.AF_INET6:
+                    probe.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+                probe.bind(address)
+    except OSError as exc:
+        raise CannotListen(bind_failure(host, port, exc)) from exc
+
+
+def bind_failure(host: str, port: int, exc: OSError) -> str:
+    """Why binding to host:port failed, in the operator's terms."""
+    where = f"cannot listen on {host}:{port}"
+    if isinstance(exc, socket.gaierror):
+        return f"{where}: no address for the name {host!r} ({exc.strerror})"
+    reasons = {
+        errno.EADDRINUSE: f"port {port} is in use (another coordinator, or another program)",
+        errno.EADDRNOTAVAIL: f"{host} is not an address of this machine",
+        errno.EACCES: "permission denied (ports below 1024 need privileges)",
+    }
+    return f"{where}: {reasons.get(exc.errno) or exc.strerror or exc}"

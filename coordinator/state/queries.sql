@@ -1,4 +1,7 @@
--- All SQL of the SQLite store, as named blocks: "-- name: NAME" starts one.
+-- All SQL of the state package, as named blocks: "-- name: NAME" starts one. The SQLite
+-- store (sqlite.py) writes and reads through them; the read-only ProjectReader (reader.py)
+-- that `tilehive logs`, `status` and the demo summary use reads through the ones below
+-- "Read-only queries", and through a few of the store's.
 
 -- name: upsert_gemm
 INSERT INTO gemms (id, step, label, m, n, k, trans_a, trans_b, tile, a_id, b_id, policy,
@@ -131,3 +134,52 @@ SELECT * FROM events WHERE kind = :kind AND state = :state ORDER BY id DESC LIMI
 
 -- name: count_invalid_results
 SELECT COUNT(*) AS n FROM results WHERE validate_state = 'invalid';
+
+-- Read-only queries: reader.py, for `tilehive logs`, `tilehive status` and the demo summary.
+
+-- name: select_host_ids_named
+SELECT id FROM hosts WHERE name = :name ORDER BY id;
+
+-- name: select_workunits_for_log
+SELECT w.*, g.label FROM workunits w JOIN gemms g ON g.id = w.gemm_id
+WHERE (:step IS NULL OR w.step = :step)
+  AND (:state IS NULL OR w.state = :state)
+  AND (:since IS NULL OR w.created >= :since)
+  AND (:host_id IS NULL OR w.id IN (SELECT wu_id FROM results WHERE host_id = :host_id))
+ORDER BY w.created DESC, w.i0 DESC, w.j0 DESC LIMIT :limit;
+
+-- name: select_results_of_workunits
+SELECT * FROM results WHERE wu_id IN (SELECT value FROM json_each(:wu_ids));
+
+-- name: select_events_of_kinds
+SELECT * FROM events
+WHERE id > :after
+  AND kind IN (SELECT value FROM json_each(:kinds))
+  AND (:step IS NULL OR step = :step)
+  AND (:state IS NULL OR state = :state)
+  AND (:host_id IS NULL OR host_id = :host_id)
+  AND (:since IS NULL OR time >= :since)
+ORDER BY id LIMIT :limit;
+
+-- name: select_last_event_id
+SELECT COALESCE(MAX(id), 0) AS n FROM events;
+
+-- name: count_results_by_server_state
+SELECT server_state, COUNT(*) AS n FROM results GROUP BY server_state;
+
+-- name: count_events_since
+SELECT COUNT(*) AS n FROM events WHERE kind = :kind AND state = :state AND time >= :since;
+
+-- name: count_results_by_verdict
+SELECT CASE WHEN outcome IN ('didnt_need', 'aborted') THEN 'not needed'
+            WHEN outcome IN ('client_error', 'no_reply') THEN 'failed'
+            WHEN validate_state = 'init' THEN 'pending'
+            ELSE validate_state END AS verdict,
+       COUNT(*) AS n
+FROM results GROUP BY 1;
+
+-- name: select_host_totals
+SELECT name, valid_count, invalid_count, error_count FROM hosts ORDER BY id;
+
+-- name: count_products
+SELECT (SELECT COUNT(*) FROM gemms) AS gemms, (SELECT COUNT(*) FROM workunits) AS workunits;

@@ -107,6 +107,20 @@ class UnsupportedMediaType(ProtocolError):
     code = "unsupported_media_type"
 
 
+def loggable(value: object) -> str:
+    """`value` as text that stays on one log line: every character that is not printable
+    (newlines, NUL, other controls, Unicode separators) becomes a Python escape such as `\\n`,
+    and a backslash is doubled so that such an escape cannot be faked. A value from the
+    network can then neither start a forged log line nor make the log binary."""
+    text = value if isinstance(value, str) else str(value)
+    if text.isprintable() and "\\" not in text:
+        return text
+    return "".join(
+        c if c.isprintable() and c != "\\" else c.encode("unicode_escape").decode("ascii")
+        for c in text
+    )
+
+
 def encode(message: dict[str, Any]) -> bytes:
     return msgpack.packb(message, use_bin_type=True)
 
@@ -268,7 +282,8 @@ def _parse_one_report(entry: dict[str, Any]) -> ResultReport:
     if error is not None:
         if output_hash is not None or tile is not None:
             raise BadRequest("an error report carries no hash or tile")
-        return ResultReport(result_id, None, None, error[:MAX_ERROR_TEXT], seconds)
+        # Escaped here, once: the text goes into log lines and the event log as it is.
+        return ResultReport(result_id, None, None, loggable(error[:MAX_ERROR_TEXT]), seconds)
     if output_hash is None or not is_blob_id(output_hash):
         raise BadRequest("field 'hash' must be the 64-hex-digit blake3 of the tile blob")
     return ResultReport(result_id, output_hash, tile, None, seconds)

@@ -1,0 +1,82 @@
+"""One writer per project: an exclusive lock on DIR/project.lock for the writer's whole life.
+
+`tilehive coordinator` and `tilehive train --local` both write a project's state and
+checkpoints, so each holds the lock while it runs. The kernel drops a flock when its holder
+exits in any way (kill -9 included), so a crash never leaves a project locked. The file
+names the holder (pid, command, URL) for whoever is refused.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import os
+from pathlib import Path
+
+LOCK_FILE = "project.lock"
+
+
+class ProjectBusy(Exception):
+    """Another process holds the project: it is served, or trained locally, already."""
+
+
+class ProjectLock:
+    def __init__(self, directory: Path | str) -> None:
+        self.directory = Path(directory)
+        self.path = self.directory / LOCK_FILE
+        self._fd: int | None = None
+        self._holder: dict[str, object] = {}
+
+    def acquire(self, command: str) -> None:
+        """Hold the project or raise ProjectBusy naming who does."""
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = _read(fd)
+            os.close(fd)
+            raise ProjectBusy(_refusal(self.directory, holder)) from None
+        except BaseException:
+            os.close(fd)
+            raise
+        self._fd = fd
+        self.describe(pid=os.getpid(), command=command)
+
+    def describe(self, **holder: object) -> None:
+        """Add to what the lock file says about its holder (its URL once it serves)."""
+        if self._fd is None:
+            raise RuntimeError("the project lock is not held")
+        self._holder.update(holder)
+        data = json.dumps(self._holder).encode() + b"\n"
+        os.ftruncate(self._fd, 0)
+        os.pwrite(self._fd, data, 0)
+
+    def release(self) -> None:
+        if self._fd is not None:
+            os.close(self._fd)  # drops the flock
+            self._fd = None
+
+    def __enter__(self) -> ProjectLock:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.release()
+
+
+def _read(fd: int) -> dict:
+    try:
+        holder = json.loads(os.pread(fd, 4096, 0) or b"{}")
+    except ValueError:
+        return {}
+    return holder if isinstance(holder, dict) else {}
+
+
+def _refusal(directory: Path, holder: dict) -> str:
+    pid = holder.get("pid", "unknown")
+    command = holder.get("command", "another tilehive process")
+    url = holder.get("url")
+    where = f" serving {url}" if url else ""
+    return (
+        f"{directory} is in use by `tilehive {command}` (pid {pid}){where}; "
+        "one process at a time may run a project: stop that one first"
+    )

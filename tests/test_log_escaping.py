@@ -1,0 +1,79 @@
+"""Values from the network reach the log escaped: no forged lines, no NUL (issue 15, item 4)."""
+
+from __future__ import annotations
+
+import signal
+import socket
+
+import pytest
+
+from coordinator.training import project as projects
+from coordinator.work import protocol
+from coordinator.work.protocol import loggable
+from tests.procs import Reaper, first_url, free_port, poll, start_coordinator
+
+
+@pytest.mark.parametrize(
+    ("value", "logged"),
+    [
+        ("plain text", "plain text"),
+        ("x\n2030-01-01 00:00:00,000 INFO FORGED", "x\\n2030-01-01 00:00:00,000 INFO FORGED"),
+        ("nul\x00\r\t\x1b[31m", "nul\\x00\\r\\t\\x1b[31m"),
+        ("a\\nb", "a\\\\nb"),  # a sent backslash cannot pass for an escape
+        ("line\u2028sep\u202eltr", "line\\u2028sep\\u202eltr"),
+        ("\ud800", "\\ud800"),
+        ("é 日本", "é 日本"),
+        (7, "7"),
+    ],
+)
+def test_loggable_keeps_a_value_on_one_printable_line(value, logged):
+    assert loggable(value) == logged
+
+
+def test_a_volunteers_error_text_is_escaped_where_it_is_parsed():
+    report = protocol.parse_report(
+        {"results": [{"result_id": "0" * 32, "error": "boom\n2030-01-01 INFO FORGED\x00"}]}
+    )
+    assert report.results[0].error == "boom\\n2030-01-01 INFO FORGED\\x00"
+
+
+def test_names_that_could_break_a_line_are_refused():
+    for name in ("a\nb", "nul\x00", "tab\there"):
+        with pytest.raises(protocol.BadRequest, match="printable"):
+            protocol.parse_register({"name": name})
+
+
+def send_raw(port: int, request: bytes) -> bytes:
+    with socket.create_connection(("127.0.0.1", port), timeout=30) as conn:
+        conn.sendall(request)
+        return conn.recv(65536)
+
+
+def test_a_forged_path_and_a_malformed_header_stay_on_one_line_of_the_real_log(tmp_path):
+    directory = tmp_path / "project"
+    projects.create(directory, **{"model.layers": 1, "model.width": 32, "corpus.max_mb": 1})
+    log = tmp_path / "coordinator.log"
+    port = free_port()
+    reaper = Reaper()
+    try:
+        coordinator = reaper(start_coordinator(directory, f"127.0.0.1:{port}", log))
+        first_url(coordinator)
+        forged = b"/v1/nothing%0a2030-01-01%2000:00:00,000%20INFO%20FORGED%00"
+        reply = send_raw(port, b"GET " + forged + b" HTTP/1.1\r\nHost: x\r\n\r\n")
+        assert reply.startswith(b"HTTP/1.1 404")
+        send_raw(port, b"GET /v1/status HTTP/1.1\r\nHost: x\r\nX-A: b\n2030 INFO FORGED\r\n\r\n")
+        poll(lambda: b"malformed HTTP" in log.read_bytes(), what="the malformed request's line")
+        coordinator.send_signal(signal.SIGINT)
+        assert coordinator.wait(60) == 130
+    finally:
+        reaper.reap()
+    text = log.read_bytes()
+    assert b"\x00" not in text
+    lines = text.decode().splitlines()
+    assert not [line for line in lines if line.startswith("2030")], text.decode()
+    refused = [line for line in lines if "GET /v1/nothing" in line]
+    assert len(refused) == 1
+    assert (
+        "/v1/nothing\\n2030-01-01 00:00:00,000 INFO FORGED\\x00 from 127.0.0.1: 404" in (refused[0])
+    )
+    assert len([line for line in lines if "malformed HTTP" in line]) == 1

@@ -1,0 +1,179 @@
+"""Careless operators cannot break a project (issue 15, items 5-7), with real processes: a
+second writer is refused, a bind failure is one line, SIGINT stops, a damaged state.db is
+named as such."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from coordinator.state.sqlite import SqliteStore
+from coordinator.training import project as projects
+from tests.procs import ENV, ROOT, first_url, free_port, poll, start_coordinator, tilehive
+
+SMALL = {
+    "model.layers": 1,
+    "model.width": 32,
+    "model.heads": 2,
+    "model.context": 16,
+    "training.batch_size": 4,
+    "corpus.max_mb": 1,
+}
+
+
+@pytest.fixture
+def project(tmp_path) -> Path:
+    directory = tmp_path / "project"
+    projects.create(directory, **{**SMALL, "training.steps": 500})
+    return directory
+
+
+def one_line_error(result: subprocess.CompletedProcess) -> str:
+    """The refusal: exit non-zero, nothing on stdout, one line on stderr, no traceback."""
+    assert result.returncode != 0, result.stdout
+    assert result.stdout == ""
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1, result.stderr
+    return lines[0]
+
+
+# ---- item 5: one writer per project ------------------------------------------------------
+
+
+def test_a_served_project_refuses_a_second_coordinator_and_a_local_run(project, tmp_path, reaper):
+    first = reaper(start_coordinator(project, "127.0.0.1:0", tmp_path / "first.log"))
+    url = first_url(first)
+    for command in (
+        ["coordinator", str(project), "--bind", f"127.0.0.1:{free_port()}"],
+        ["train", str(project), "--local", "--steps", "1"],
+    ):
+        line = one_line_error(tilehive(*command))
+        assert f"pid {first.pid}" in line and url in line and "tilehive coordinator" in line
+    assert not (project / "checkpoints").exists() or not any((project / "checkpoints").iterdir())
+    first.send_signal(signal.SIGINT)
+    assert first.wait(60) == 130
+
+
+def test_a_local_run_refuses_a_coordinator(project, tmp_path, reaper):
+    with (tmp_path / "train.log").open("w") as out:
+        training = reaper(
+            subprocess.Popen(
+                [sys.executable, "-m", "coordinator.cli", "train", str(project), "--local"],
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                cwd=ROOT,
+                env=ENV,
+            )
+        )
+    lock = project / "project.lock"
+    poll(lambda: lock.exists() and f'"pid": {training.pid}' in lock.read_text(), what="the lock")
+    line = one_line_error(tilehive("coordinator", str(project), "--bind", "127.0.0.1:0"))
+    assert f"pid {training.pid}" in line and "tilehive train --local" in line
+    assert not (project / "state.db").exists()
+
+
+def test_a_killed_coordinator_leaves_no_lock_behind(project, tmp_path, reaper):
+    first = reaper(start_coordinator(project, "127.0.0.1:0", tmp_path / "first.log"))
+    first_url(first)
+    first.kill()
+    first.wait(60)
+    second = reaper(start_coordinator(project, "127.0.0.1:0", tmp_path / "second.log"))
+    url = first_url(second)
+    holder = json.loads((project / "project.lock").read_text())
+    assert holder == {"pid": second.pid, "command": "coordinator", "url": url}
+    second.send_signal(signal.SIGINT)
+    assert second.wait(60) == 130
+
+
+# ---- item 6: bind failures and SIGINT ----------------------------------------------------
+
+
+@pytest.fixture
+def busy_port():
+    with socket.socket() as listener:
+        listener.bind(("127.0.0.1", 0))
+        listener.listen()
+        yield listener.getsockname()[1]
+
+
+@pytest.mark.parametrize(
+    ("bind", "reason"),
+    [
+        ("127.0.0.1:{busy}", "is in use"),
+        ("nothing.invalid:8470", "no address for the name 'nothing.invalid'"),
+        ("192.0.2.1:8470", "192.0.2.1 is not an address of this machine"),  # TEST-NET-1
+        ("http://127.0.0.1:8470", "is a URL: give HOST:PORT"),
+        ("127.0.0.1:99999", "is not HOST:PORT"),
+    ],
+)
+def test_a_bind_failure_is_one_line_and_touches_nothing(project, busy_port, bind, reason):
+    result = tilehive("coordinator", str(project), "--bind", bind.format(busy=busy_port))
+    line = one_line_error(result)
+    assert line.startswith("Error: ") and reason in line
+    assert not (project / "state.db").exists()
+
+
+def test_sigint_stops_the_coordinator_even_when_asked_twice(project, tmp_path, reaper):
+    for attempt in range(2):
+        coordinator = reaper(start_coordinator(project, "127.0.0.1:0", tmp_path / "c.log"))
+        first_url(coordinator)
+        for _ in range(attempt + 1):
+            coordinator.send_signal(signal.SIGINT)
+        assert coordinator.wait(60) == 130
+    assert "Traceback" not in (tmp_path / "c.log").read_text()
+
+
+# ---- item 7: a damaged state.db ------------------------------------------------------------
+
+
+async def a_real_state_db(path: Path) -> bytes:
+    store = SqliteStore(path)
+    await store.open()
+    await store.close()
+    return path.read_bytes()
+
+
+async def damage(project: Path, how: str) -> None:
+    state = project / "state.db"
+    if how == "truncated":
+        whole = await a_real_state_db(state)
+        state.write_bytes(whole[: len(whole) // 2])
+    elif how == "garbage":
+        state.write_bytes(os.urandom(64 << 10))
+    elif how == "empty after training":
+        (project / "train.jsonl").write_text('{"step": 1, "loss": 5.5, "seconds": 0.1}\n')
+        state.write_bytes(b"")
+
+
+@pytest.mark.parametrize("how", ["truncated", "garbage", "empty after training"])
+async def test_every_command_names_a_damaged_state_db_and_what_to_do(project, how):
+    await damage(project, how)
+    before = (project / "state.db").read_bytes()
+    for command in (
+        ["coordinator", str(project), "--bind", "127.0.0.1:0"],
+        ["status", str(project)],
+        ["logs", "tasks", str(project)],
+        ["logs", "validation", str(project), "--follow"],
+    ):
+        line = one_line_error(tilehive(*command))
+        assert f"{project / 'state.db'} is damaged" in line, command
+        assert "restore it from a backup, or move it away" in line
+    assert (project / "state.db").read_bytes() == before  # nothing was "repaired" away
+
+
+def test_an_empty_state_db_of_a_project_that_never_trained_is_a_new_project(
+    project, tmp_path, reaper
+):
+    (project / "state.db").write_bytes(b"")  # SQLite killed before its first write
+    assert "its coordinator never ran" in one_line_error(tilehive("status", str(project)))
+    coordinator = reaper(start_coordinator(project, "127.0.0.1:0", tmp_path / "c.log"))
+    first_url(coordinator)
+    coordinator.send_signal(signal.SIGINT)
+    assert coordinator.wait(60) == 130
