@@ -3,13 +3,12 @@
 from __future__ import annotations
 
 import os
-import threading
-from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
 from kernels import reference
 from kernels.checks import check_gemm_args
+from kernels.pool import run_ranges
 
 try:
     from kernels import _gemm
@@ -21,21 +20,6 @@ KERNEL_ENV = "TILEHIVE_KERNEL"
 
 # Below this many multiply-adds per thread, starting a thread costs more than it saves.
 _MIN_WORK_PER_THREAD = 1 << 21
-
-_pool: ThreadPoolExecutor | None = None
-_pool_size = 0
-_pool_lock = threading.Lock()
-
-
-def _executor(workers: int) -> ThreadPoolExecutor:
-    global _pool, _pool_size
-    with _pool_lock:
-        if _pool is None or _pool_size < workers:
-            if _pool is not None:
-                _pool.shutdown(wait=False)
-            _pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="tilehive-gemm")
-            _pool_size = workers
-        return _pool
 
 
 def use_reference() -> bool:
@@ -82,13 +66,8 @@ def gemm(
     if len(ranges) <= 1:
         _gemm.sgemm_rows(a, b, out, bool(trans_a), bool(trans_b), 0, m)
         return out
-    pool = _executor(len(ranges) - 1)
-    futures = [
-        pool.submit(_gemm.sgemm_rows, a, b, out, bool(trans_a), bool(trans_b), m0, m1)
-        for m0, m1 in ranges[1:]
-    ]
-    m0, m1 = ranges[0]
-    _gemm.sgemm_rows(a, b, out, bool(trans_a), bool(trans_b), m0, m1)
-    for future in futures:
-        future.result()
+    run_ranges(
+        lambda m0, m1: _gemm.sgemm_rows(a, b, out, bool(trans_a), bool(trans_b), m0, m1),
+        ranges,
+    )
     return out
