@@ -27,6 +27,15 @@ extensions = [
         define_macros=[("NPY_NO_DEPRECATED_API", "NPY_1_7_API_VERSION")],
     ),
     Extension(
+        "kernels._nn",
+        ["kernels/_nn.pyx", "csrc/nn_impl.c"],
+        include_dirs=["csrc", numpy.get_include()],
+        depends=["csrc/nn_body.h", "csrc/nn_impl.h"],
+        # -Wno-psabi: the 16-lane vectors of nn_body.h never cross a call (all inlined).
+        extra_compile_args=[*DETERMINISTIC_CFLAGS, "-Wno-psabi"],
+        define_macros=[("NPY_NO_DEPRECATED_API", "NPY_1_7_API_VERSION")],
+    ),
+    Extension(
         "validation._probe",
         ["validation/_probe.pyx", "csrc/probe_impl.c"],
         include_dirs=["csrc", numpy.get_include()],

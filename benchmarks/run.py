@@ -258,6 +258,7 @@ def module_rows(name: str, quick: bool) -> list[Row]:
 AREAS = {
     "kernels": kernel_rows,
     "coordinator": coordinator_rows,
+    "arithmetic": lambda quick: module_rows("arithmetic", quick),
     "training": lambda quick: module_rows("training", quick),
     "communication": lambda quick: module_rows("communication", quick),
     "tails": lambda quick: module_rows("tails", quick),

@@ -1,6 +1,6 @@
 """Deterministic compute for tilehive: the GEMM kernel, its numpy twin, content hashing."""
 
-from kernels.gemm import gemm, kernel_name
+from kernels.gemm import batched_gemm, gemm, kernel_name
 from kernels.hashing import (
     BlobDecodeError,
     BlobMismatchError,
@@ -20,6 +20,7 @@ __all__ = [
     "BlobDecodeError",
     "BlobMismatchError",
     "array_id",
+    "batched_gemm",
     "blob_id",
     "decode_array",
     "encode_array",

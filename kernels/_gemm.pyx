@@ -85,3 +85,44 @@ def force_kernel(str name):
     """Run every later product on the named micro-kernel (tests compare them bit for bit)."""
     if th_force_kernel(name.encode()) != 0:
         raise ValueError(f"kernel {name!r} is unknown or not supported by this CPU")
+
+
+def sgemm_batch(a, b, out, bint trans_a, bint trans_b, Py_ssize_t g0, Py_ssize_t g1):
+    """out[g] = op(a[g]) @ op(b[g]) for g in [g0, g1), without the GIL.
+
+    Each product is exactly sgemm_rows over all its rows, so a batch has the bits of the
+    same products made one at a time. The arguments must already have been checked by
+    kernels.gemm.batched_gemm: C-contiguous float32 3-D arrays of matching shapes.
+    """
+    cdef const float[:, :, ::1] av = a
+    cdef const float[:, :, ::1] bv = b
+    cdef float[:, :, ::1] cv = out
+    cdef ptrdiff_t m = cv.shape[1]
+    cdef ptrdiff_t n = cv.shape[2]
+    cdef ptrdiff_t k = av.shape[1] if trans_a else av.shape[2]
+    cdef th_operand opa
+    cdef th_operand opb
+    cdef int status = 0
+    cdef ptrdiff_t g
+    cdef float[::1] work
+    if g1 <= g0 or m == 0 or n == 0:
+        return
+    if trans_a:
+        opa.rs, opa.cs = 1, m
+    else:
+        opa.rs, opa.cs = k, 1
+    if trans_b:
+        opb.rs, opb.cs = 1, k
+    else:
+        opb.rs, opb.cs = n, 1
+    work = workspace(n)
+    with nogil:
+        for g in range(g0, g1):
+            opa.data = &av[g, 0, 0] if k > 0 else NULL
+            opb.data = &bv[g, 0, 0] if k > 0 else NULL
+            status = th_sgemm_rows(opa, opb, &cv[g, 0, 0], n, 0, m, n, k,
+                                   &work[0], work.shape[0])
+            if status != 0:
+                break
+    if status != 0:
+        raise RuntimeError("tilehive gemm: packing workspace too small (a bug)")

@@ -3,13 +3,12 @@
 from __future__ import annotations
 
 import os
-import threading
-from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
 from kernels import reference
 from kernels.checks import check_gemm_args
+from kernels.pool import run_ranges
 
 try:
     from kernels import _gemm
@@ -21,21 +20,6 @@ KERNEL_ENV = "TILEHIVE_KERNEL"
 
 # Below this many multiply-adds per thread, starting a thread costs more than it saves.
 _MIN_WORK_PER_THREAD = 1 << 21
-
-_pool: ThreadPoolExecutor | None = None
-_pool_size = 0
-_pool_lock = threading.Lock()
-
-
-def _executor(workers: int) -> ThreadPoolExecutor:
-    global _pool, _pool_size
-    with _pool_lock:
-        if _pool is None or _pool_size < workers:
-            if _pool is not None:
-                _pool.shutdown(wait=False)
-            _pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="tilehive-gemm")
-            _pool_size = workers
-        return _pool
 
 
 def use_reference() -> bool:
@@ -82,13 +66,54 @@ def gemm(
     if len(ranges) <= 1:
         _gemm.sgemm_rows(a, b, out, bool(trans_a), bool(trans_b), 0, m)
         return out
-    pool = _executor(len(ranges) - 1)
-    futures = [
-        pool.submit(_gemm.sgemm_rows, a, b, out, bool(trans_a), bool(trans_b), m0, m1)
-        for m0, m1 in ranges[1:]
-    ]
-    m0, m1 = ranges[0]
-    _gemm.sgemm_rows(a, b, out, bool(trans_a), bool(trans_b), m0, m1)
-    for future in futures:
-        future.result()
+    run_ranges(
+        lambda m0, m1: _gemm.sgemm_rows(a, b, out, bool(trans_a), bool(trans_b), m0, m1),
+        ranges,
+    )
+    return out
+
+
+def _check_batch(name: str, x: object) -> np.ndarray:
+    if not isinstance(x, np.ndarray) or x.dtype != np.float32 or x.ndim != 3:
+        raise ValueError(f"{name} must be a 3-D float32 numpy.ndarray")
+    if not x.flags.c_contiguous:
+        raise ValueError(f"{name} must be C-contiguous; pass np.ascontiguousarray({name})")
+    return x
+
+
+def batched_gemm(
+    a: np.ndarray,
+    b: np.ndarray,
+    *,
+    trans_a: bool = False,
+    trans_b: bool = False,
+    threads: int = 1,
+) -> np.ndarray:
+    """C[g] = op(a[g]) @ op(b[g]) for every g: the bits of `gemm` called once per g.
+
+    a and b are C-contiguous float32 arrays of shape (G, rows, cols); threads split the G
+    products (each product is computed by one thread, in the order of `gemm`). This is the
+    attention's per-head products in one call, without a Python loop over heads.
+    """
+    a, b = _check_batch("a", a), _check_batch("b", b)
+    if a.shape[0] != b.shape[0]:
+        raise ValueError(f"a and b must have the same batch size, got {a.shape} and {b.shape}")
+    if isinstance(threads, bool) or not isinstance(threads, int | np.integer) or threads < 1:
+        raise ValueError(f"threads must be a positive integer, got {threads!r}")
+    count = a.shape[0]
+    m, k = (a.shape[2], a.shape[1]) if trans_a else (a.shape[1], a.shape[2])
+    k_b, n = (b.shape[2], b.shape[1]) if trans_b else (b.shape[1], b.shape[2])
+    if k != k_b:
+        raise ValueError(f"inner dimensions differ: op(a[g]) is {m}x{k}, op(b[g]) is {k_b}x{n}")
+    out = np.empty((count, m, n), np.float32)
+    if use_reference():
+        for g in range(count):
+            reference.gemm_checked(a[g], b[g], out[g], bool(trans_a), bool(trans_b))
+        return out
+    useful = max(1, min(int(threads), count, count * m * n * k // _MIN_WORK_PER_THREAD))
+    ranges = row_splits(count, useful, 1) if count else []
+    run_ranges(
+        lambda g0, g1: _gemm.sgemm_batch(a, b, out, bool(trans_a), bool(trans_b), g0, g1),
+        ranges,
+    )
     return out

@@ -1,11 +1,12 @@
-"""tiny-gpt: a decoder-only transformer on bytes, forward and backward in numpy.
+"""tiny-gpt: a decoder-only transformer on bytes, forward and backward.
 
 Every linear layer's three products (X@W forward, dY@W^T and X^T@dY backward) go through
 `Backend.matmul`, which the coordinator turns into verified work units and `--local` runs
 in-process with the same kernel. The attention products (Q@K^T, A@V and their gradients) are
-small and per head; they run on the coordinator with `Backend.batched`. Everything else is
-elementwise numpy on the coordinator. Code is dtype-generic so the gradient check can run
-it in float64.
+small and per head; they run on the coordinator with `Backend.batched`. Everything else runs
+on the coordinator: in float32 (training) with the deterministic model kernels of
+`kernels.nn`, in any other dtype with the plain numpy below, which the float64 gradient check
+uses. The two paths compute the same functions, not the same bits.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from typing import Protocol
 import numpy as np
 
 from coordinator.training.project import ModelSettings
+from kernels import nn
 
 VOCAB = 256  # bytes
 LN_EPS = 1e-5
@@ -85,9 +87,29 @@ def decays(name: str) -> bool:
 
 
 # ---- layers: forward returns (output, cache); backward takes the cache -------------------
+# float32 arrays go to kernels.nn (deterministic, compiled); other dtypes stay in numpy.
+
+
+def _kernels(x: np.ndarray) -> bool:
+    return x.dtype == np.float32
+
+
+def add_bias(y, b):
+    """y + b on every row; in place for float32 (y is a fresh product)."""
+    if _kernels(y):
+        return nn.add_bias(np.require(y, requirements=["C", "W"]), b)
+    return y + b
+
+
+def column_sums(x):
+    """The sum over rows, per column (a bias's gradient)."""
+    return nn.colsum(np.ascontiguousarray(x)) if _kernels(x) else x.sum(axis=0)
 
 
 def layernorm(x, g, b):
+    if _kernels(x):
+        y, xhat, inv = nn.layernorm(x, g, b, LN_EPS)
+        return y, (xhat, inv, g)
     mu = x.mean(axis=-1, keepdims=True)
     xc = x - mu
     inv = 1.0 / np.sqrt((xc * xc).mean(axis=-1, keepdims=True) + x.dtype.type(LN_EPS))
@@ -97,6 +119,8 @@ def layernorm(x, g, b):
 
 def layernorm_backward(dy, cache):
     xhat, inv, g = cache
+    if _kernels(dy):
+        return nn.layernorm_backward(dy, xhat, inv, g)
     dg = (dy * xhat).sum(axis=0)
     db = dy.sum(axis=0)
     dxhat = dy * g
@@ -108,13 +132,22 @@ def layernorm_backward(dy, cache):
     return dx, dg, db
 
 
-def gelu(x):
+def gelu(x, b=None):
+    """GELU (tanh approximation) of x + b; the cache holds x + b and the tanh."""
+    if _kernels(x):
+        x = np.require(x, requirements=["C", "W"])
+        y, t = nn.gelu(x, b)
+        return y, (x, t)
+    if b is not None:
+        x = x + b
     t = np.tanh(x.dtype.type(GELU_C) * (x + x.dtype.type(0.044715) * x**3))
     return x.dtype.type(0.5) * x * (1 + t), (x, t)
 
 
 def gelu_backward(dy, cache):
     x, t = cache
+    if _kernels(dy):
+        return nn.gelu_backward(dy, x, t)
     c, k = x.dtype.type(GELU_C), x.dtype.type(0.044715)
     half = x.dtype.type(0.5)
     return dy * (half * (1 + t) + half * x * (1 - t * t) * c * (1 + 3 * k * x * x))
@@ -132,7 +165,7 @@ class TinyGPT:
 
     async def linear(self, x, w, b, label):
         y = await self.backend.matmul(x, w, trans_a=False, trans_b=False, label=label + ".fwd")
-        return y + b if b is not None else y
+        return add_bias(y, b) if b is not None else y
 
     async def linear_backward(self, x, w, dy, label):
         """dX = dY @ W^T and dW = X^T @ dY are independent: both are in flight at once."""
@@ -140,7 +173,7 @@ class TinyGPT:
             self.backend.matmul(dy, w, trans_a=False, trans_b=True, label=label + ".dx"),
             self.backend.matmul(x, dy, trans_a=True, trans_b=False, label=label + ".dw"),
         )
-        return dx, dw, dy.sum(axis=0)
+        return dx, dw, column_sums(dy)
 
     def attention(self, qkv, batch):
         s, bmm = self.s, self.backend.batched
@@ -153,6 +186,12 @@ class TinyGPT:
             for i in range(3)
         )
         scale = qkv.dtype.type(1.0 / np.sqrt(dh))
+        if _kernels(qkv):
+            # The mask is by index: the kernel never reads a future position's score.
+            att = nn.softmax(bmm(q, k, trans_b=True), scale, causal=True)
+            y = bmm(att, v)
+            y = y.reshape(batch, h, t, dh).transpose(0, 2, 1, 3).reshape(batch * t, d)
+            return np.ascontiguousarray(y), (q, k, v, att, scale)
         scores = bmm(q, k, trans_b=True) * scale
         future = np.triu(np.ones((t, t), dtype=bool), k=1)
         scores = np.where(future, -np.inf, scores).astype(qkv.dtype)
@@ -171,7 +210,10 @@ class TinyGPT:
         )
         datt = bmm(dy, v, trans_b=True)
         dv = bmm(att, dy, trans_a=True)
-        dscores = att * (datt - (datt * att).sum(axis=-1, keepdims=True)) * scale
+        if _kernels(datt):
+            dscores = nn.softmax_backward(att, datt, scale, causal=True)
+        else:
+            dscores = att * (datt - (datt * att).sum(axis=-1, keepdims=True)) * scale
         dq = bmm(dscores, k)
         dk = bmm(dscores, q, trans_a=True)
         parts = [
@@ -196,8 +238,8 @@ class TinyGPT:
                 y, params[p + "attn.w_out"], params[p + "attn.b_out"], p + "proj"
             )
             h2, ln2 = layernorm(x, params[p + "ln2.g"], params[p + "ln2.b"])
-            u = await self.linear(h2, params[p + "mlp.w_in"], params[p + "mlp.b_in"], p + "fc")
-            a, act = gelu(u)
+            u = await self.linear(h2, params[p + "mlp.w_in"], None, p + "fc")
+            a, act = gelu(u, params[p + "mlp.b_in"])
             x = x + await self.linear(
                 a, params[p + "mlp.w_out"], params[p + "mlp.b_out"], p + "fc2"
             )
@@ -209,6 +251,8 @@ class TinyGPT:
     @staticmethod
     def cross_entropy(logits: np.ndarray, targets: np.ndarray):
         """Mean negative log-likelihood, and its gradient with respect to the logits."""
+        if _kernels(logits):
+            return nn.cross_entropy(logits, targets)
         n = logits.shape[0]
         shifted = logits - logits.max(axis=-1, keepdims=True)
         log_z = np.log(np.exp(shifted).sum(axis=-1, keepdims=True))
@@ -251,7 +295,10 @@ class TinyGPT:
             )
             dln1, grads[p + "ln1.g"], grads[p + "ln1.b"] = layernorm_backward(dh1, ln1)
             dx = dx + dln1
-        grads["position"] = dx.reshape(batch, t, -1).sum(axis=0)
+        if _kernels(dx):
+            grads["position"] = column_sums(dx.reshape(batch, -1)).reshape(t, -1)
+        else:
+            grads["position"] = dx.reshape(batch, t, -1).sum(axis=0)
         embed = np.zeros_like(params["embed"])
         np.add.at(embed, tokens.ravel(), dx)
         grads["embed"] = embed

@@ -1,7 +1,8 @@
 """AdamW with global gradient clipping and a warmup-then-cosine learning rate, in float32.
 
-Its state stays on the coordinator. Every reduction runs in a fixed order over the
-parameters' names, so an update is a pure function of (params, grads, state, step).
+Its state stays on the coordinator. The arithmetic is kernels.nn's (the gradient norm in
+fixed float64 lanes, one fused clip-and-update pass per tensor); the norm adds the tensors in
+the parameters' order, so an update is a pure function of (params, grads, state, step).
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import numpy as np
 
 from coordinator.training.model import Params, decays
 from coordinator.training.project import OptimizerSettings
+from kernels import nn
 
 
 @dataclass
@@ -40,7 +42,8 @@ def learning_rate(step: int, total: int, s: OptimizerSettings) -> float:
 
 
 def global_norm(grads: Params) -> float:
-    return math.sqrt(sum(float(np.sum(np.square(g, dtype=np.float64))) for g in grads.values()))
+    """The L2 norm of all gradients together, in float64."""
+    return nn.global_norm(list(grads.values()))
 
 
 def adamw_step(
@@ -51,17 +54,21 @@ def adamw_step(
     scale = np.float32(min(1.0, s.grad_clip / (norm + 1e-6))) if s.grad_clip else np.float32(1)
     step = state.step + 1
     b1, b2 = np.float32(s.beta1), np.float32(s.beta2)
-    correction1 = np.float32(1 - s.beta1**step)
-    correction2 = np.float32(1 - s.beta2**step)
-    lr32, eps, wd = np.float32(lr), np.float32(s.eps), np.float32(s.weight_decay)
+    h = nn.AdamScalars(
+        scale=scale,
+        beta1=b1,
+        one_minus_beta1=np.float32(1) - b1,
+        beta2=b2,
+        one_minus_beta2=np.float32(1) - b2,
+        correction1=np.float32(1 - s.beta1**step),
+        correction2=np.float32(1 - s.beta2**step),
+        eps=np.float32(s.eps),
+        lr=np.float32(lr),
+        weight_decay=np.float32(s.weight_decay),
+    )
     new_params, m_new, v_new = {}, {}, {}
     for name, p in params.items():
-        g = grads[name] * scale
-        m = b1 * state.m[name] + (1 - b1) * g
-        v = b2 * state.v[name] + (1 - b2) * g * g
-        update = (m / correction1) / (np.sqrt(v / correction2) + eps)
-        if decays(name):
-            update = update + wd * p
-        new_params[name] = (p - lr32 * update).astype(np.float32)
-        m_new[name], v_new[name] = m.astype(np.float32), v.astype(np.float32)
+        new_params[name], m_new[name], v_new[name] = nn.adamw(
+            p, grads[name], state.m[name], state.v[name], h, decays(name)
+        )
     return new_params, AdamState(step, m_new, v_new), norm

@@ -23,6 +23,7 @@ from coordinator.training.corpus import load as load_corpus
 from coordinator.training.model import Params, TinyGPT, init_params
 from coordinator.training.optimizer import AdamState, adamw_step, learning_rate
 from coordinator.training.project import Project
+from kernels import nn
 
 log = logging.getLogger(__name__)
 
@@ -30,19 +31,15 @@ EVAL_BATCHES = 2
 
 
 def batched_gemm(a: np.ndarray, b: np.ndarray, *, trans_a=False, trans_b=False) -> np.ndarray:
-    """Per-batch products with the deterministic kernel (attention runs here, locally)."""
-    out = None
-    for i in range(a.shape[0]):
-        c = kernels.gemm(
-            np.ascontiguousarray(a[i]),
-            np.ascontiguousarray(b[i]),
-            trans_a=trans_a,
-            trans_b=trans_b,
-        )
-        if out is None:
-            out = np.empty((a.shape[0], *c.shape), np.float32)
-        out[i] = c
-    return out
+    """Per-head products with the deterministic kernel (attention runs here, locally), on the
+    model kernels' threads: the bits of kernels.gemm per head, for any thread count."""
+    return kernels.batched_gemm(
+        np.ascontiguousarray(a, dtype=np.float32),
+        np.ascontiguousarray(b, dtype=np.float32),
+        trans_a=trans_a,
+        trans_b=trans_b,
+        threads=nn.default_threads(),
+    )
 
 
 class LocalBackend:
