@@ -315,3 +315,18 @@ async def test_the_models_arithmetic_runs_off_the_servers_event_loop(tmp_path, m
             await serving
     assert seen and all(t is not threading.current_thread() for t in seen)
     assert seen[0].name == "tilehive-training"
+
+
+@pytest.mark.parametrize("parts", [2, 4])
+async def test_micro_batches_give_the_batchs_loss_and_gradients(tmp_path, parts):
+    """Cut into micro-batches, the batch's mean loss and gradients are those of the whole
+    batch (to float32 rounding): micro-batches change the order of sums, not the model."""
+    whole = projects.create(tmp_path / "whole", **{**SMALL, "training.micro_batches": 1})
+    cut = projects.create(tmp_path / "cut", **{**SMALL, "training.micro_batches": parts})
+    params = init_params(whole.model, 0)
+    x, y = Trainer(whole, LocalBackend())._corpus().batch(0, 1, 16, whole.model.context)
+    loss, grads = await Trainer(whole, LocalBackend()).loss_and_grads(params, x, y)
+    loss_cut, grads_cut = await Trainer(cut, LocalBackend()).loss_and_grads(params, x, y)
+    assert loss_cut == pytest.approx(loss, rel=1e-5)
+    for name, g in grads.items():
+        np.testing.assert_allclose(grads_cut[name], g, rtol=1e-3, atol=1e-6)

@@ -41,6 +41,10 @@ class TrainingSettings:
     seed: int = 0
     checkpoint_every: int = 10
     eval_every: int = 10
+    # The batch is cut into this many micro-batches whose products are in flight together,
+    # so the coordinator's element-wise work on one overlaps the volunteers' on another.
+    # Their gradients are summed in a fixed order: --local uses the same setting, same bits.
+    micro_batches: int = 2
 
 
 @dataclass(frozen=True)
@@ -129,6 +133,7 @@ RULES: dict[tuple[str, str], tuple[Any, str]] = {
     ("training", "seed"): (lambda v: 0 <= v < 2**63, "a non-negative integer"),
     ("training", "checkpoint_every"): (lambda v: v >= 1, "a positive integer"),
     ("training", "eval_every"): (lambda v: v >= 1, "a positive integer"),
+    ("training", "micro_batches"): (lambda v: 1 <= v <= 64, "an integer from 1 to 64"),
     ("optimizer", "lr"): (lambda v: 0 < v <= 10, "a number in (0, 10]"),
     ("optimizer", "min_lr"): (lambda v: 0 <= v <= 10, "a number in [0, 10]"),
     ("optimizer", "warmup_steps"): (lambda v: v >= 0, "a non-negative integer"),
@@ -194,6 +199,11 @@ def parse(directory: Path, text: str) -> Project:
         raise ProjectError(
             f"model.width ({model.width}) must be a multiple of model.heads ({model.heads})"
         )
+    if project.training.batch_size % project.training.micro_batches:
+        raise ProjectError(
+            f"training.batch_size ({project.training.batch_size}) must be a multiple of "
+            f"training.micro_batches ({project.training.micro_batches})"
+        )
     if work.min_quorum > work.target_nresults:
         raise ProjectError("work.min_quorum must not exceed work.target_nresults")
     if opt.min_lr > opt.lr:
@@ -236,6 +246,7 @@ batch_size = {training.batch_size}           # sequences per step
 seed = {training.seed}                  # initial weights and batch order
 checkpoint_every = {training.checkpoint_every}     # steps between checkpoints (and the last step)
 eval_every = {training.eval_every}           # steps between validation losses
+micro_batches = {training.micro_batches}        # the batch in this many parts, in flight together
 
 [optimizer]                 # AdamW with gradient clipping, warmup then cosine decay
 lr = {optimizer.lr}

@@ -107,6 +107,34 @@ class Trainer:
             losses.append(await local.loss(params, x, y))
         return float(np.mean(losses))
 
+    async def loss_and_grads(
+        self, params: Params, tokens: np.ndarray, targets: np.ndarray
+    ) -> tuple[float, Params]:
+        """The batch's mean loss and gradients, from its micro-batches computed together.
+
+        Each micro-batch's products are in flight at once; their losses and gradients are
+        then summed in micro-batch order and scaled once, so the bits depend on the
+        setting alone, never on which product finished first."""
+        parts = self.project.training.micro_batches
+        if parts == 1:
+            return await self.model.loss_and_grads(params, tokens, targets)
+        results = await asyncio.gather(
+            *(
+                self.model.loss_and_grads(params, x, y)
+                for x, y in zip(np.split(tokens, parts), np.split(targets, parts), strict=True)
+            )
+        )
+        scale = np.float32(1.0 / parts)
+        grads = {}
+        for name in params:
+            total = results[0][1][name].copy()
+            for _, part in results[1:]:
+                total += part[name]
+            total *= scale
+            grads[name] = total
+        loss = sum(loss for loss, _ in results) / parts
+        return loss, grads
+
     async def run(
         self, until: int | None = None, on_step: Callable[[StepReport], None] | None = None
     ) -> Params:
@@ -124,7 +152,7 @@ class Trainer:
                 if hasattr(self.backend, "step"):
                     self.backend.step = step
                 x, y = corpus.batch(t.seed, step, t.batch_size, self.project.model.context)
-                loss, grads = await self.model.loss_and_grads(params, x, y)
+                loss, grads = await self.loss_and_grads(params, x, y)
                 lr = learning_rate(step, t.steps, opt)
                 params, state, norm = adamw_step(params, grads, state, lr, opt)
                 report = StepReport(step, t.steps, loss, lr, norm, time.perf_counter() - started)
