@@ -261,9 +261,11 @@ class Products:
         needed = {p for wu in workunits for p in (wu.a_panel, wu.b_panel)}
         if all(await asyncio.to_thread(lambda: [self.blobs.has(p) for p in needed])):
             return
-        rows, cols = panels(a, b, gemm.trans_a, gemm.trans_b, gemm.tile, gemm.m, gemm.n)
-        encoded = [kernels.encode_array(p) for p in (*rows, *cols)]
-        await asyncio.to_thread(self.blobs.put_many, [(data, None) for data in encoded])
+        def store_panels() -> None:
+            rows, cols = panels(a, b, gemm.trans_a, gemm.trans_b, gemm.tile, gemm.m, gemm.n)
+            self.blobs.put_many([(kernels.encode_array(p), None) for p in (*rows, *cols)])
+
+        await asyncio.to_thread(store_panels)
         log.warning(
             "step %d: %s's operand panels were gone; stored again",
             gemm.step,
@@ -272,9 +274,10 @@ class Products:
 
     async def _publish(self, gemm: Gemm, a: np.ndarray, b: np.ndarray) -> None:
         """Store the operand panels as blobs, then commit the GEMM and its work units."""
-        rows, cols = panels(a, b, gemm.trans_a, gemm.trans_b, gemm.tile, gemm.m, gemm.n)
 
         def store_panels() -> tuple[list[str], list[str]]:
+            # Off the event loop: cutting a large operand into panels copies all of it.
+            rows, cols = panels(a, b, gemm.trans_a, gemm.trans_b, gemm.tile, gemm.m, gemm.n)
             encoded = [kernels.encode_array(p) for p in (*rows, *cols)]
             ids = self.blobs.put_many([(data, None) for data in encoded], serve=True)
             for panel_id, data in zip(ids, encoded, strict=True):
