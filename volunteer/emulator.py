@@ -380,7 +380,7 @@ def falsify(tile: bytes, lie: str, rng: random.Random) -> bytes:
     Each lie is drawn from the host's own generator: emulated liars are independent faulty
     hosts, and two of them almost never send the same wrong tile (a quorum of two would
     accept it; two one-ulp lies agree only at the same element, one chance in the tile's
-    size). Colluding liars are tests/test_byzantine.py's subject, not the emulator's."""
+    size). Colluding liars are tests/integration/test_byzantine.py's subject, not the emulator's."""
     wrong = kernels.decode_array(tile).copy()
     where = rng.randrange(wrong.size)
     if lie == "big":

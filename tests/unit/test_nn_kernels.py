@@ -18,8 +18,7 @@ from coordinator.training.model import TinyGPT, init_params
 from coordinator.training.project import ModelSettings
 from coordinator.training.trainer import LocalBackend, Trainer
 from kernels import _nn, nn, nn_reference
-from tests.conftest import bits
-from tests.test_training import SMALL, Float64Backend
+from tests.factories import SMALL, Float64Backend, bits
 
 INSTRUCTION_SETS = ["avx512", "avx2", "generic"]
 _default = _nn.kernel_name()

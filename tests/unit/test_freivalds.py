@@ -11,7 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import kernels
-from tests.conftest import operands
+from tests.factories import operands
 from validation import freivalds
 from validation.freivalds import FreivaldsResult, probe_signs, tolerance, verify
 

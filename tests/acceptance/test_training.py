@@ -20,28 +20,9 @@ from coordinator.training import project as projects
 from coordinator.training.model import TinyGPT, init_params, param_shapes
 from coordinator.training.project import ModelSettings
 from coordinator.training.trainer import LocalBackend, Trainer
+from tests.factories import SMALL, Float64Backend, checkpoint_bits, make_pair, start_coordinator
 from tests.procs import ENV, ROOT, free_port, start_volunteer, stop, tilehive
 from tests.volunteers import wait_until
-
-SMALL = {
-    "model.layers": 1,
-    "model.width": 32,
-    "model.heads": 2,
-    "model.context": 16,
-    "training.batch_size": 4,
-    "corpus.max_mb": 1,
-}
-
-
-class Float64Backend:
-    """Exact-enough products for finite differences."""
-
-    async def matmul(self, a, b, *, trans_a, trans_b, label):
-        return (a.T if trans_a else a) @ (b.T if trans_b else b)
-
-    @staticmethod
-    def batched(a, b, *, trans_a=False, trans_b=False):
-        return np.matmul(a.swapaxes(1, 2) if trans_a else a, b.swapaxes(1, 2) if trans_b else b)
 
 
 def test_every_layers_gradient_matches_float64_finite_differences():
@@ -83,42 +64,6 @@ def test_the_default_projects_loss_falls_in_a_short_local_run(tmp_path):
     first, (last, val) = losses[0][0], losses[-1]
     # Measured: 5.57 at step 1, about 2.9 (train) and 3.1 (validation) at step 30.
     assert first > 5.0 and last < 3.5 and val < 3.5
-
-
-def checkpoint_bits(path: Path) -> dict[str, bytes]:
-    with np.load(path) as data:
-        return {name: data[name].tobytes() for name in data.files}
-
-
-def start_coordinator(directory: Path, port: int, log: Path) -> subprocess.Popen:
-    with log.open("a") as out:
-        return subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "coordinator.cli",
-                "coordinator",
-                str(directory),
-                "--bind",
-                f"127.0.0.1:{port}",
-            ],
-            stdout=out,
-            stderr=out,
-            cwd=ROOT,
-            env=ENV,
-        )
-
-
-def make_pair(tmp_path: Path, steps: int, **extra) -> tuple[Path, Path]:
-    """Two project directories with the same settings: one local, one distributed."""
-    local = tmp_path / "local"
-    projects.create(local, **{**SMALL, "training.steps": steps, **extra})
-    remote = tmp_path / "remote"
-    remote.mkdir()
-    (remote / "project.toml").write_text((local / "project.toml").read_text())
-    result = tilehive("train", str(local), "--local", timeout=300)
-    assert result.returncode == 0, result.stderr
-    return local, remote
 
 
 @pytest.mark.parametrize("tile", [16, 24])

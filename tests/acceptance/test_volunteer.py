@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 import kernels
-from tests.conftest import bits, operands
+from tests.factories import bits, operands
 from tests.procs import (
     committed,
     free_port,

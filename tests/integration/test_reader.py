@@ -24,7 +24,7 @@ from coordinator.work.records import (
 )
 
 HASH = "ab" * 32
-CLI = Path(__file__).parent.parent / "coordinator" / "cli"
+CLI = Path(__file__).parents[2] / "coordinator" / "cli"
 
 
 def workunit(name: str, step: int, i0: int, created: float, state: WuState) -> WorkUnit:

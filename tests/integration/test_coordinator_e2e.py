@@ -3,64 +3,15 @@
 from __future__ import annotations
 
 import asyncio
-import contextlib
 
 import numpy as np
 import pytest
 
 import kernels
-from coordinator.engine.coordinator import Coordinator, CoordinatorConfig
-from coordinator.server.api import serve
-from coordinator.state.sqlite import SqliteStore
 from coordinator.work.records import Policy, Redundancy
-from tests.conftest import bits, operands
+from tests.factories import TIMEOUT, bits, operands, running, volunteers
 from tests.volunteers import Behaviour, ScriptedVolunteer, wait_until
 from volunteer.client import CoordinatorClient
-
-TIMEOUT = 60
-
-
-@contextlib.asynccontextmanager
-async def running(tmp_path, **settings):
-    settings.setdefault("no_work_delay", 0.05)
-    settings.setdefault("long_poll", 0.2)
-    config = CoordinatorConfig(directory=tmp_path / "project", **settings)
-    coordinator = Coordinator(config, SqliteStore(config.directory / "state.db"))
-    runner, url = await serve(coordinator, "127.0.0.1", 0)
-    try:
-        yield coordinator, coordinator.products, url
-    finally:
-        await runner.cleanup()
-
-
-class Crew(list):
-    """Running volunteers; `finish` awaits work but fails at once if a volunteer crashes."""
-
-    tasks: list[asyncio.Task]
-
-    async def finish(self, work, timeout: float = TIMEOUT):
-        job = asyncio.ensure_future(work)
-        done, _ = await asyncio.wait(
-            [job, *self.tasks], timeout=timeout, return_when=asyncio.FIRST_COMPLETED
-        )
-        if job not in done:
-            for task in done:
-                task.result()  # a crashed volunteer raises its error here
-            job.cancel()
-            raise TimeoutError(f"work not finished in {timeout}s")
-        return job.result()
-
-
-@contextlib.asynccontextmanager
-async def volunteers(url, behaviours, prefix: str = "v"):
-    stop = asyncio.Event()
-    crew = Crew(ScriptedVolunteer(url, f"{prefix}{i}", b) for i, b in enumerate(behaviours))
-    crew.tasks = [asyncio.create_task(v.run(stop)) for v in crew]
-    try:
-        yield crew
-    finally:
-        stop.set()
-        await asyncio.gather(*crew.tasks)
 
 
 @pytest.mark.parametrize("policy", list(Policy))

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 import kernels
-from tests.conftest import bits
+from tests.factories import bits
 from tests.procs import ENV, ROOT, committed, free_port, tilehive
 from volunteer import profile as profiles
 from volunteer.emulator import EmulationReport, falsify, hints, run_emulation

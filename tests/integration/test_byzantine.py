@@ -12,9 +12,8 @@ import pytest
 import kernels
 from coordinator.rules.scheduler import SchedulerConfig
 from coordinator.work.records import Policy, Redundancy
-from tests.conftest import bits, operands
+from tests.factories import bits, operands, running, volunteers
 from tests.liar import EDGE, WELL_FORMED, Lie, Registry, liars
-from tests.test_coordinator_e2e import running, volunteers
 from tests.volunteers import Behaviour, wait_until
 
 TILE = 8

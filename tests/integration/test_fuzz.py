@@ -23,7 +23,7 @@ from coordinator.rules.access import AccessConfig
 from coordinator.server.api import serve
 from coordinator.state.sqlite import SqliteStore
 from coordinator.work.records import Policy, Redundancy
-from tests.conftest import bits
+from tests.factories import bits
 from tests.volunteers import Behaviour, ScriptedVolunteer, wait_until
 from volunteer.client import CoordinatorClient
 

@@ -15,9 +15,8 @@ from coordinator.engine.products import GemmFailed
 from coordinator.rules.access import AccessConfig
 from coordinator.work.protocol import NotFound
 from coordinator.work.records import Policy
-from tests.conftest import bits, operands
+from tests.factories import bits, operands, running, volunteers
 from tests.procs import tilehive
-from tests.test_coordinator_e2e import running, volunteers
 from tests.volunteers import Behaviour, wait_until
 from volunteer.client import CoordinatorClient, ServerRefused, compute_tile
 
@@ -255,7 +254,13 @@ async def test_a_volunteer_over_the_rate_limit_slows_down_and_loses_nothing(tmp_
     settings = {"tile": 8, "access": access, "policy": Policy.FREIVALDS}
     async with running(tmp_path, **settings) as (co, queue, url):
         worker = Volunteer(
-            VolunteerConfig(url=url, state_dir=tmp_path / "vol", threads=1, max_backoff=1.0)
+            VolunteerConfig(
+                url=url,
+                state_dir=tmp_path / "vol",
+                threads=1,
+                max_backoff=1.0,
+                low_priority=False,  # in the test process: nice 19 would slow every later test
+            )
         )
         worker.prepare()
         stop = asyncio.Event()

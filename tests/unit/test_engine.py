@@ -18,7 +18,7 @@ from coordinator.engine.coordinator import Coordinator
 from coordinator.state.memory import MemoryStore
 from coordinator.work.protocol import RegisterRequest, ReportRequest, ResultReport, WorkRequest
 from coordinator.work.records import Policy
-from tests.conftest import bits, operands
+from tests.factories import bits, operands
 from tests.volunteers import wait_until
 
 

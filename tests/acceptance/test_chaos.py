@@ -19,10 +19,8 @@ from pathlib import Path
 import pytest
 
 from coordinator.work.records import Policy
-from tests.conftest import operands
+from tests.factories import checkpoint_bits, make_pair, operands, running, start_coordinator
 from tests.procs import committed, free_port, start_volunteer, stop, tilehive
-from tests.test_coordinator_e2e import running
-from tests.test_training import checkpoint_bits, make_pair, start_coordinator
 from tests.volunteers import wait_until
 from volunteer.client import CoordinatorClient, ServerRefused, compute_tile
 

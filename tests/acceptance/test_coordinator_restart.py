@@ -10,9 +10,8 @@ import numpy as np
 import pytest
 
 import kernels
-from tests.conftest import bits, operands
+from tests.factories import bits, operands, volunteers
 from tests.procs import committed, free_port, save_operands, start_job, url_of
-from tests.test_coordinator_e2e import volunteers
 from tests.volunteers import Behaviour, wait_until
 
 

@@ -10,8 +10,7 @@ import numpy as np
 import pytest
 
 import kernels
-from tests.conftest import bits, operands
-from tests.test_coordinator_e2e import running, volunteers
+from tests.factories import bits, operands, running, volunteers
 from tests.volunteers import Behaviour, wait_until
 from volunteer.client import CoordinatorClient, compute_tile
 

@@ -13,9 +13,8 @@ import aiohttp
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.conftest import operands
+from tests.factories import operands, running, volunteers
 from tests.procs import ENV, ROOT
-from tests.test_coordinator_e2e import running, volunteers
 from tests.volunteers import Behaviour, wait_until
 from volunteer.client import CoordinatorClient
 

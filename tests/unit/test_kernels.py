@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 import kernels
 from kernels import _gemm, reference
 from kernels.gemm import row_splits
-from tests.conftest import bits, operands
+from tests.factories import bits, operands
 
 FLAGS = [(False, False), (False, True), (True, False), (True, True)]
 SHAPES = [(1, 1, 1), (1, 17, 3), (19, 1, 8), (5, 7, 1), (13, 31, 29), (70, 33, 301), (3, 65, 2)]
