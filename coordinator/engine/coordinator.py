@@ -18,6 +18,7 @@ from coordinator.engine.operator import Operator
 from coordinator.engine.passes import Passes
 from coordinator.engine.products import GemmFailed, GemmOutput, Products
 from coordinator.engine.progress import Progress
+from coordinator.engine.recovery import lost_products
 from coordinator.engine.reports import Reports
 from coordinator.engine.requests import WorkRequests
 from coordinator.rules.access import Access, admin_token
@@ -93,7 +94,11 @@ class Coordinator:
             for panel in (wu.a_panel, wu.b_panel):
                 if panel not in self.ledger.panel_bytes and self.blobs.has(panel):
                     self.ledger.panel_bytes[panel] = self.blobs.size(panel)
-        self.products.drop_lost(time.time())
+        for gemm in lost_products(self.ledger, self.blobs):
+            # Failed as in an earlier run: the training loop runs it again when it gets there.
+            message = f"{gemm.label or gemm.id[:12]} of step {gemm.step} lost blobs; run again"
+            log.warning("%s (a power cut?)", message)
+            self.products.drop(gemm, message, time.time())
         if snapshot.gemms:
             log.info(
                 "resuming %d GEMMs with %d work units",

@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
+import logging
+
 from coordinator.engine.passes import Passes
 from coordinator.engine.products import Products
 from coordinator.engine.requests import WorkRequests
 from coordinator.state.ledger import Ledger
 from coordinator.work.events import Event
 from coordinator.work.protocol import NotFound
-from coordinator.work.records import Host
+from coordinator.work.records import GemmState, Host
+
+log = logging.getLogger(__name__)
 
 
 class Operator:
@@ -50,8 +54,24 @@ class Operator:
         volunteers holding its work are told to abort it, and whoever waits for a product
         (the training loop) gets GemmFailed. A restarted coordinator runs the step again."""
         async with self.passes.lock:
-            counts = self.products.cancel_step(step, now)
-            if counts is None:
+            gemms = [
+                g
+                for g in self.ledger.gemms.values()
+                if g.step == step and g.state is GemmState.ACTIVE
+            ]
+            if not gemms:
                 raise NotFound(f"step {step} has no products being computed")
+            message = f"step {step} cancelled by the operator"
+            counts = {"gemms": len(gemms), "workunits": 0, "aborted": 0}
+            for gemm in gemms:
+                workunits, aborted = self.products.drop(gemm, message, now)
+                counts["workunits"] += workunits
+                counts["aborted"] += aborted
+                self.products.failed_here.add(gemm.id)  # not retried in this run
+            log.warning(
+                "%s: %d products, %d work units dropped, %d results in progress aborted",
+                message,
+                *counts.values(),
+            )
             await self.ledger.flush()
             return counts

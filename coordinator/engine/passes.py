@@ -15,6 +15,7 @@ import time
 
 import numpy as np
 
+import kernels
 from coordinator.engine.config import CoordinatorConfig
 from coordinator.engine.metrics import Metrics
 from coordinator.engine.products import Products, new_result_id
@@ -30,6 +31,7 @@ from coordinator.work.records import (
     Policy,
     Result,
     ServerState,
+    ValidateState,
     WorkUnit,
     WuState,
 )
@@ -151,7 +153,37 @@ class Passes:
     async def _last_resort(self, wu_id: str, now: float) -> None:
         """Compute the tile here, judge the results that came in against it (a liar among
         them loses its trust as usual), and assimilate it."""
-        wu = await self.products.compute_here(self.ledger.wus[wu_id], now)
+        wu = self.ledger.wus[wu_id]
+
+        def compute() -> str:
+            tile = kernels.gemm(
+                self.blobs.get_array(wu.a_panel),
+                self.blobs.get_array(wu.b_panel),
+                trans_a=wu.trans_a,
+                trans_b=wu.trans_b,
+            )
+            self.products.tiles[blob := self.blobs.put(kernels.encode_array(tile))] = tile
+            return blob
+
+        # The kernel's bits, which every honest host returns: the coordinator's own result.
+        blob = await asyncio.to_thread(compute)
+        mine = Result(
+            id=new_result_id(),
+            wu_id=wu.id,
+            server_state=ServerState.OVER,
+            outcome=Outcome.SUCCESS,
+            validate_state=ValidateState.VALID,
+            received_time=now,
+            output_hash=blob,
+            has_tile=True,
+        )
+        self.ledger.put_result(mine)
+        wu = self.ledger.wus[wu.id].evolve(
+            state=WuState.VALIDATED, canonical_result=mine.id, canonical_hash=blob
+        )
+        self.ledger.put_wu(wu)
+        message = "validated: computed by the coordinator (last resort)"
+        self.ledger.log([Event.about(wu, now, WuState.VALIDATED.value, message)])
         await self.validate(wu.id, now)
         await self.products.assimilate(self.ledger.wus[wu.id], now)
 

@@ -18,7 +18,8 @@ import numpy as np
 
 import kernels
 from coordinator.engine.config import CoordinatorConfig
-from coordinator.state.blobs import BlobNotFound, BlobStore
+from coordinator.engine.recovery import canonical_tile, panels, restore_panels
+from coordinator.state.blobs import BlobStore
 from coordinator.state.ledger import Ledger
 from coordinator.state.store import Store
 from coordinator.work.events import Event
@@ -29,7 +30,6 @@ from coordinator.work.records import (
     Outcome,
     Result,
     ServerState,
-    ValidateState,
     WorkUnit,
     WuError,
     WuState,
@@ -62,21 +62,6 @@ class GemmOutput:
 
 def new_result_id() -> str:
     return secrets.token_hex(16)
-
-
-def panels(
-    a: np.ndarray, b: np.ndarray, trans_a: bool, trans_b: bool, tile: int, m: int, n: int
-) -> tuple[list[np.ndarray], list[np.ndarray]]:
-    """Row panels op(A)[i0:i1, :] and column panels op(B)[:, j0:j1], stored as in A and B."""
-    rows = [
-        np.ascontiguousarray(a[:, i0 : i0 + tile] if trans_a else a[i0 : i0 + tile])
-        for i0 in range(0, m, tile)
-    ]
-    cols = [
-        np.ascontiguousarray(b[j0 : j0 + tile] if trans_b else b[:, j0 : j0 + tile])
-        for j0 in range(0, n, tile)
-    ]
-    return rows, cols
 
 
 class Products:
@@ -178,7 +163,7 @@ class Products:
             else:
                 # Made before a restart. Blobs are not synced (docs/architecture.md): after
                 # a power cut, panels that are gone are stored again from the operands.
-                await self._restore_panels(gemm, a, b)
+                await restore_panels(self.blobs, self.ledger, self.store, gemm, a, b)
             if gemm.state is GemmState.DONE:
                 # Finished before a restart: the tiles are committed blobs.
                 wus, _ = await self.store.gemm_work(gid)
@@ -234,43 +219,7 @@ class Products:
 
     def _fill(self, out: np.ndarray, wus: list[WorkUnit]) -> None:
         for wu in wus:
-            out[wu.i0 : wu.i1, wu.j0 : wu.j1] = self.canonical_tile(wu)
-
-    def canonical_tile(self, wu: WorkUnit) -> np.ndarray:
-        """A validated work unit's tile, from its blob; recomputed with the kernel (the same
-        bits) when a power cut took the blob, which is not synced."""
-        try:
-            return self.blobs.get_array(wu.canonical_hash)
-        except (BlobNotFound, ValueError):
-            log.warning(
-                "tile %s of work unit %s is gone; recomputing it",
-                wu.canonical_hash[:12],
-                wu.id[:12],
-            )
-            tile = kernels.gemm(
-                self.blobs.get_array(wu.a_panel),
-                self.blobs.get_array(wu.b_panel),
-                trans_a=wu.trans_a,
-                trans_b=wu.trans_b,
-            )
-            self.blobs.put(kernels.encode_array(tile), wu.canonical_hash)
-            return tile
-
-    async def _restore_panels(self, gemm: Gemm, a: np.ndarray, b: np.ndarray) -> None:
-        workunits = self.ledger.workunits_for(gemm.id) or (await self.store.gemm_work(gemm.id))[0]
-        needed = {p for wu in workunits for p in (wu.a_panel, wu.b_panel)}
-        if all(await asyncio.to_thread(lambda: [self.blobs.has(p) for p in needed])):
-            return
-        def store_panels() -> None:
-            rows, cols = panels(a, b, gemm.trans_a, gemm.trans_b, gemm.tile, gemm.m, gemm.n)
-            self.blobs.put_many([(kernels.encode_array(p), None) for p in (*rows, *cols)])
-
-        await asyncio.to_thread(store_panels)
-        log.warning(
-            "step %d: %s's operand panels were gone; stored again",
-            gemm.step,
-            gemm.label or gemm.id[:12],
-        )
+            out[wu.i0 : wu.i1, wu.j0 : wu.j1] = canonical_tile(self.blobs, wu)
 
     async def _publish(self, gemm: Gemm, a: np.ndarray, b: np.ndarray) -> None:
         """Store the operand panels as blobs, then commit the GEMM and its work units."""
@@ -336,7 +285,7 @@ class Products:
             return
         tile = self.tiles.get(wu.canonical_hash)
         if tile is None:
-            tile = await asyncio.to_thread(self.canonical_tile, wu)
+            tile = await asyncio.to_thread(canonical_tile, self.blobs, wu)
         output.out[wu.i0 : wu.i1, wu.j0 : wu.j1] = tile
         output.remaining.discard(wu.id)
         if wu.state is not WuState.ASSIMILATED:
@@ -367,41 +316,6 @@ class Products:
         if not output.done.done():
             output.done.set_result(output.out)
 
-    async def compute_here(self, wu: WorkUnit, now: float) -> WorkUnit:
-        """The last resort for a work unit the crowd could not or would not finish: the
-        coordinator computes the tile with the same kernel (the bits every honest host
-        returns) and makes it canonical. Returns the validated work unit."""
-
-        def compute() -> str:
-            tile = kernels.gemm(
-                self.blobs.get_array(wu.a_panel),
-                self.blobs.get_array(wu.b_panel),
-                trans_a=wu.trans_a,
-                trans_b=wu.trans_b,
-            )
-            self.tiles[blob := self.blobs.put(kernels.encode_array(tile))] = tile
-            return blob
-
-        blob = await asyncio.to_thread(compute)
-        result = Result(
-            id=new_result_id(),
-            wu_id=wu.id,
-            server_state=ServerState.OVER,
-            outcome=Outcome.SUCCESS,
-            validate_state=ValidateState.VALID,
-            received_time=now,
-            output_hash=blob,
-            has_tile=True,
-        )
-        self.ledger.put_result(result)
-        wu = self.ledger.wus[wu.id].evolve(
-            state=WuState.VALIDATED, canonical_result=result.id, canonical_hash=blob
-        )
-        self.ledger.put_wu(wu)
-        message = "validated: computed by the coordinator (last resort)"
-        self.ledger.log([Event.about(wu, now, WuState.VALIDATED.value, message)])
-        return wu
-
     def end_replicas(self, wu: WorkUnit, message: str, now: float) -> int:
         """Unsent results become didnt_need, those in progress aborted (their hosts are told
         in their next work reply); returns how many were aborted."""
@@ -418,46 +332,7 @@ class Products:
             self.ledger.log([Event.about(wu, now, outcome.value, message, r)])
         return aborted
 
-    def cancel_step(self, step: int, now: float) -> dict[str, int] | None:
-        """Drop every unfinished product of `step`; None when it has none."""
-        gemms = [
-            g for g in self.ledger.gemms.values() if g.step == step and g.state is GemmState.ACTIVE
-        ]
-        if not gemms:
-            return None
-        message = f"step {step} cancelled by the operator"
-        counts = {"gemms": len(gemms), "workunits": 0, "aborted": 0}
-        for gemm in gemms:
-            workunits, aborted = self._drop(gemm, message, now)
-            counts["workunits"] += workunits
-            counts["aborted"] += aborted
-            self.failed_here.add(gemm.id)
-        log.warning(
-            "%s: %d products, %d work units dropped, %d results in progress aborted",
-            message,
-            *counts.values(),
-        )
-        return counts
-
-    def drop_lost(self, now: float) -> int:
-        """At start: an active product whose blobs a power cut took (they are not synced) is
-        dropped, failed as in an earlier run, so that the training loop runs it again when
-        it gets there. Returns how many were dropped."""
-        dropped = 0
-        for gemm in [g for g in self.ledger.gemms.values() if g.state is GemmState.ACTIVE]:
-            needed = set()
-            for wu in self.ledger.workunits_for(gemm.id):
-                needed.update((wu.a_panel, wu.b_panel))
-                needed.update(r.output_hash for r in self.ledger.results_for(wu.id) if r.has_tile)
-            if all(self.blobs.has(blob) for blob in needed):
-                continue
-            message = f"{gemm.label or gemm.id[:12]} of step {gemm.step} lost blobs; run again"
-            log.warning("%s (a power cut?)", message)
-            self._drop(gemm, message, now)
-            dropped += 1
-        return dropped
-
-    def _drop(self, gemm: Gemm, message: str, now: float) -> tuple[int, int]:
+    def drop(self, gemm: Gemm, message: str, now: float) -> tuple[int, int]:
         """End an active GEMM as failed: its undecided work units stop, their hosts are told.
         Returns (work units dropped, results in progress aborted)."""
         workunits = aborted = 0

@@ -1,0 +1,87 @@
+"""After a power cut: blobs are not synced (docs/architecture.md, "Durability"), so a restarted
+coordinator may find a product's panels or tiles gone. Each is made again from what is
+synced: tiles with the kernel (the same bits), panels from the operands, and an unfinished
+product whose blobs are gone is dropped so that the training loop runs it again."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+import numpy as np
+
+import kernels
+from coordinator.state.blobs import BlobNotFound, BlobStore
+from coordinator.state.ledger import Ledger
+from coordinator.state.store import Store
+from coordinator.work.records import Gemm, GemmState, WorkUnit
+
+log = logging.getLogger(__name__)
+
+
+def panels(
+    a: np.ndarray, b: np.ndarray, trans_a: bool, trans_b: bool, tile: int, m: int, n: int
+) -> tuple[list[np.ndarray], list[np.ndarray]]:
+    """Row panels op(A)[i0:i1, :] and column panels op(B)[:, j0:j1], stored as in A and B."""
+    rows = [
+        np.ascontiguousarray(a[:, i0 : i0 + tile] if trans_a else a[i0 : i0 + tile])
+        for i0 in range(0, m, tile)
+    ]
+    cols = [
+        np.ascontiguousarray(b[j0 : j0 + tile] if trans_b else b[:, j0 : j0 + tile])
+        for j0 in range(0, n, tile)
+    ]
+    return rows, cols
+
+
+def canonical_tile(blobs: BlobStore, wu: WorkUnit) -> np.ndarray:
+    """A validated work unit's tile, from its blob; recomputed with the kernel (the same
+    bits) when a power cut took the blob."""
+    try:
+        return blobs.get_array(wu.canonical_hash)
+    except (BlobNotFound, ValueError):
+        log.warning(
+            "tile %s of work unit %s is gone; recomputing it", wu.canonical_hash[:12], wu.id[:12]
+        )
+        tile = kernels.gemm(
+            blobs.get_array(wu.a_panel),
+            blobs.get_array(wu.b_panel),
+            trans_a=wu.trans_a,
+            trans_b=wu.trans_b,
+        )
+        blobs.put(kernels.encode_array(tile), wu.canonical_hash)
+        return tile
+
+
+async def restore_panels(
+    blobs: BlobStore, ledger: Ledger, store: Store, gemm: Gemm, a: np.ndarray, b: np.ndarray
+) -> None:
+    """Store again, from its operands, the panels of a product made before a restart."""
+    workunits = ledger.workunits_for(gemm.id) or (await store.gemm_work(gemm.id))[0]
+    needed = {p for wu in workunits for p in (wu.a_panel, wu.b_panel)}
+    if all(await asyncio.to_thread(lambda: [blobs.has(p) for p in needed])):
+        return
+
+    def store_panels() -> None:
+        rows, cols = panels(a, b, gemm.trans_a, gemm.trans_b, gemm.tile, gemm.m, gemm.n)
+        blobs.put_many([(kernels.encode_array(p), None) for p in (*rows, *cols)])
+
+    await asyncio.to_thread(store_panels)
+    log.warning(
+        "step %d: %s's operand panels were gone; stored again",
+        gemm.step,
+        gemm.label or gemm.id[:12],
+    )
+
+
+def lost_products(ledger: Ledger, blobs: BlobStore) -> list[Gemm]:
+    """The active products some of whose panels or reported tiles are gone."""
+    lost = []
+    for gemm in [g for g in ledger.gemms.values() if g.state is GemmState.ACTIVE]:
+        needed = set()
+        for wu in ledger.workunits_for(gemm.id):
+            needed.update((wu.a_panel, wu.b_panel))
+            needed.update(r.output_hash for r in ledger.results_for(wu.id) if r.has_tile)
+        if not all(blobs.has(blob) for blob in needed):
+            lost.append(gemm)
+    return lost
