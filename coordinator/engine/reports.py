@@ -104,10 +104,8 @@ class Reports:
             if result.host_id != host.id:
                 raise Forbidden(f"result {entry.result_id} is not assigned to host {host.id}")
             wu = self.ledger.wus[result.wu_id]
-            tile = None
-            if entry.tile is not None:
-                tile = self._check_tile(wu, entry.result_id, entry.output_hash, entry.tile)
-            elif (
+            tile = entry.tile
+            if tile is None and (
                 entry.error is None
                 and not entry.abandoned
                 and result.upload_tile
@@ -115,6 +113,14 @@ class Reports:
             ):
                 raise BadRequest(f"result {entry.result_id}: the assignment asked for the tile")
             checked.append((entry, result, wu, tile))
+        # Hashing and decoding megabytes of tiles is no work for the event loop.
+        await asyncio.to_thread(
+            lambda: [
+                self._check_tile(wu, entry.result_id, entry.output_hash, tile)
+                for entry, _, wu, tile in checked
+                if tile is not None
+            ]
+        )
         # Every tile is stored before any report is applied: when the blob store fails, the
         # whole report is refused and none of it is half-done.
         await self._store_tiles(
