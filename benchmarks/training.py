@@ -122,7 +122,7 @@ LARGER = {
 }
 
 
-def run(quick: bool = False) -> list[Row]:
+def run(quick: bool = False, models: tuple[str, ...] = ("tiny-gpt", "larger")) -> list[Row]:
     """tiny-gpt with 1 and 2 volunteers (and the quorum default with 2), then the larger
     project with 1 and 2 volunteers, each against a --local run made just before it."""
     tiny_steps, large_steps = (3, 2) if quick else (8, 3)
@@ -130,6 +130,7 @@ def run(quick: bool = False) -> list[Row]:
         ("tiny-gpt", {}, tiny_steps, [(1, "freivalds"), (2, "freivalds"), (2, "quorum")]),
         ("larger", LARGER, large_steps, [(1, "freivalds"), (2, "freivalds")]),
     ]
+    plan = [entry for entry in plan if entry[0] in models]
     if quick:
         plan = [(name, extra, steps, runs[:1]) for name, extra, steps, runs in plan]
     started = time.perf_counter()
@@ -195,8 +196,9 @@ def run(quick: bool = False) -> list[Row]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="fewer steps and runs")
+    parser.add_argument("--model", action="append", choices=["tiny-gpt", "larger"])
     args = parser.parse_args()
-    rows = run(args.quick)
+    rows = run(args.quick, tuple(args.model or ("tiny-gpt", "larger")))
     for row in rows:
         print(f"{row.area} {row.measure}: {row.value} {row.bar} {row.verdict}  ({row.note})")
     if rows[-1].value != "yes":

@@ -217,8 +217,24 @@ class PullLoop(CoordinatorSession):
         reply = await self._call("work", lambda: self.client.request_work(request_id, **message))
         self._heard(reply, wait_for_work)
         self.short = len(reply["assignments"]) < room
+        self._keep_inline(reply.get("blobs") or {})
         self._take(reply)
         return reply
+
+    def _keep_inline(self, blobs: dict[str, bytes]) -> None:
+        """Operand panels sent inside the answer: checked against their names like any
+        download, then cached, so the assignments that use them fetch nothing."""
+        for blob_id, data in blobs.items():
+            if not isinstance(data, bytes) or self.cache.get(blob_id, count=False) is not None:
+                continue
+            try:
+                kernels.verify_blob(data, blob_id)
+            except ValueError as exc:
+                self._failed("blob", exc)
+                self.log.error("ignoring an inline operand %s: %s", blob_id[:16], exc)
+                continue
+            self.stats.bytes_down += len(data)
+            self.cache.put(blob_id, data)
 
     def _in_progress(self) -> list[str]:
         ids = [job.assignment["result_id"] for job in self.queue]

@@ -58,7 +58,9 @@ class Coordinator:
         self.progress = Progress(self.ledger, self.stats)
         self.metrics = self.progress.metrics
         self.hosts = HostRegistry(self.ledger, self.access, config.trust)
-        self.requests = WorkRequests(config, self.ledger, store, self.scheduler, self.stats)
+        self.requests = WorkRequests(
+            config, self.ledger, store, self.scheduler, self.stats, self.blobs
+        )
         self.products = Products(config, self.ledger, store, self.blobs)
         self.passes = Passes(
             config, self.ledger, self.blobs, self.products, self.key, self.metrics, self.stats

@@ -13,6 +13,7 @@ from collections import OrderedDict
 from coordinator.engine.config import CoordinatorConfig
 from coordinator.engine.waiters import Waiters
 from coordinator.rules.scheduler import Scheduler
+from coordinator.state.blobs import BlobStore
 from coordinator.state.ledger import Ledger
 from coordinator.state.store import Reply, Store
 from coordinator.work.protocol import Forbidden, WorkRequest, encode
@@ -20,6 +21,7 @@ from coordinator.work.records import Host, Result, WorkUnit
 
 REPLIES_KEPT_PER_HOST = 16  # in memory; the store keeps config.replies_per_host
 PAUSED_DELAY = 5.0  # seconds a host waits before asking a paused project again
+INLINE_BYTES = 4 << 20  # operand panels sent inside one work reply, at most
 
 
 class WorkRequests:
@@ -32,10 +34,12 @@ class WorkRequests:
         store: Store,
         scheduler: Scheduler,
         stats: dict,
+        blobs: BlobStore,
     ) -> None:
         self.config = config
         self.ledger = ledger
         self.store = store
+        self.blobs = blobs
         self.scheduler = scheduler
         self.stats = stats
         self.paused = False  # set by the operator: no new work goes out
@@ -132,7 +136,27 @@ class WorkRequests:
         durable = bool(assignments or plan.abort)
         self._remember(host.id, request.request_id, body, now, durable)
         await self.ledger.flush()
-        return body
+        inline = self._inline(assignments, set(request.cached))
+        # The panels ride along on this answer only; a retry gets the stored answer
+        # without them and fetches what it lacks.
+        return encode({**message, "blobs": inline}) if inline else body
+
+    def _inline(self, assignments: list[dict], cached: set[str]) -> dict[str, bytes]:
+        """Small operand panels the host lacks, sent inside the answer: each fetch saved is a
+        round trip saved per product. Only panels still in memory (just published); never
+        more than INLINE_BYTES in all."""
+        inline: dict[str, bytes] = {}
+        size = 0
+        for a in assignments:
+            for blob in (a["a"], a["b"]):
+                if blob in cached or blob in inline:
+                    continue
+                data = self.blobs.recent.get(blob)
+                if data is None or size + len(data) > INLINE_BYTES:
+                    continue
+                inline[blob] = data
+                size += len(data)
+        return inline
 
     def _assignment(self, wu: WorkUnit, result: Result, now: float) -> dict:
         m, n, k = wu.shape
