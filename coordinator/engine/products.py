@@ -274,7 +274,8 @@ class Products:
                 )
             ]
         )
-        await self.ledger.flush()
+        # Not committed here: nothing is promised to anyone yet. The answer that first
+        # assigns one of these work units commits them with it, in the same transaction.
 
     # ---- tiles in, products out ----------------------------------------------------------
 
@@ -312,9 +313,11 @@ class Products:
         # "late", rather than applied to records that are about to leave memory unjudged.
         self.outputs.pop(gemm.id, None)
         self.ledger.forget_gemm(gemm.id)
-        await self.ledger.flush()
+        # The training loop goes on at once; the commit follows. A crash in between loses
+        # nothing committed: the step is recomputed from the last checkpoint.
         if not output.done.done():
             output.done.set_result(output.out)
+        await self.ledger.flush()
 
     def end_replicas(self, wu: WorkUnit, message: str, now: float) -> int:
         """Unsent results become didnt_need, those in progress aborted (their hosts are told
