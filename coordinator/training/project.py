@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from coordinator.rules.access import admin_token
 from coordinator.work.records import Policy, Redundancy
 
 PROJECT_FILE = "project.toml"
@@ -306,7 +307,5 @@ def create(directory: Path | str, **overrides: Any) -> Project:
     parse(directory, text)  # the same checks as loading it later
     directory.mkdir(parents=True, exist_ok=True)
     path.write_text(text)
-    from coordinator.rules.access import admin_token
-
-    admin_token(directory)
+    admin_token(directory)  # made now, so the operator can read it before the first start
     return project
