@@ -39,8 +39,10 @@ log = logging.getLogger("volunteer")
 
 
 def option(*names: str, **kwargs: Any):
-    """A click option that also reads TILEHIVE_<LONG_NAME> from the environment."""
-    long_name = max(names, key=len).lstrip("-")
+    """A click option that also reads TILEHIVE_<FLAG> from the environment: the flag's
+    longest spelling (`--max-memory`: TILEHIVE_MAX_MEMORY), never the parameter's Python
+    name (`--json`, stored as `as_json`, is TILEHIVE_JSON)."""
+    long_name = max((n for n in names if n.startswith("--")), key=len).lstrip("-")
     kwargs.setdefault("envvar", ENV_PREFIX + long_name.upper().replace("-", "_"))
     kwargs.setdefault("show_envvar", True)
     return click.option(*names, **kwargs)
@@ -367,7 +369,7 @@ def status(state_dir: Path, as_json: bool) -> None:
     show_default=True,
     help="Seconds between progress lines (0: none).",
 )
-@option("--json", "as_json", is_flag=True, envvar="TILEHIVE_JSON", help="Print the report as JSON.")
+@option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
 def emulate(
     url: str,
     hosts: int,
