@@ -138,6 +138,22 @@ def _bind(value: str) -> tuple[str, int]:
     return host.strip("[]"), int(port)
 
 
+def _check_corpus(given: str, source: str) -> None:
+    """Refuse at init what the coordinator would refuse at its start: a missing path, or
+    one with too little text (the coordinator reads it with the project's defaults)."""
+    from coordinator.training.corpus import load as load_corpus
+    from coordinator.training.project import CorpusSettings
+
+    if not Path(source).exists():
+        raise click.BadParameter(
+            f"{given!r}: no such file or folder (give a text file, a folder of text files, "
+            "or python-stdlib)",
+            param_hint="--corpus",
+        )
+    defaults = CorpusSettings()
+    load_corpus(source, defaults.max_mb, defaults.validation_share)
+
+
 @main.command()
 @click.argument("directory", type=click.Path(file_okay=False, path_type=Path))
 @option("--model", type=click.Choice(MODELS), default="tiny-gpt", show_default=True)
@@ -159,6 +175,7 @@ def init(directory: Path, model: str, corpus: str, seed, steps, tile) -> None:
             overrides[key] = value
     if corpus != "python-stdlib":
         overrides["corpus.source"] = str(Path(corpus).expanduser().resolve())
+        _check_corpus(corpus, overrides["corpus.source"])
     created = create_project(directory, **overrides)
     click.echo(
         f"created {directory / 'project.toml'}: {created.model.name}, "
