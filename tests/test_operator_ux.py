@@ -3,7 +3,18 @@ figures after a restart, paused, the logs' limits, names, init's checks, the dem
 
 from __future__ import annotations
 
-from tests.procs import tilehive
+import json
+
+from coordinator.training import project as projects
+from tests.procs import (
+    first_url,
+    poll,
+    start_coordinator,
+    start_volunteer,
+    tilehive,
+    volunteer_status,
+)
+from tests.test_training import SMALL
 
 
 def test_init_refuses_a_corpus_path_that_does_not_exist(tmp_path):
@@ -16,3 +27,47 @@ def test_init_refuses_a_corpus_path_that_does_not_exist(tmp_path):
     result = tilehive("init", str(tmp_path / "q"), "--corpus", str(small))
     assert result.returncode == 1 and "too small" in result.stderr
     assert not (tmp_path / "q" / "project.toml").exists()
+
+
+# ---- items 1 and 2: why work waits; the end of training --------------------------------
+
+
+def status_of(target: str) -> dict:
+    result = tilehive("status", target, "--json")
+    assert result.returncode == 0, result.stderr
+    return json.loads(result.stdout)
+
+
+def test_one_volunteer_is_told_why_work_waits_and_a_finished_project_tells_them(tmp_path, reaper):
+    project = tmp_path / "project"
+    projects.create(project, **{**SMALL, "training.steps": 2, "work.tile": 16})
+    log = tmp_path / "coordinator.log"
+    coordinator = reaper(start_coordinator(project, "127.0.0.1:0", log))
+    url = first_url(coordinator)
+    before = status_of(url)["training"]
+    assert before["step"] == 0 and before["steps"] == 2  # "of 2", not "of ?"
+    first = reaper(start_volunteer(url, tmp_path / "v0"))
+    poll(
+        lambda: (status_of(url).get("waiting") or {}).get("reason") == "needs_hosts",
+        what="the coordinator to say work waits for another host",
+    )
+    lines = tilehive("status", url).stdout
+    assert "waiting:" in lines and "another volunteer" in lines and "quorum policy" in lines
+    assert "waiting:" in tilehive("status", str(project)).stdout
+    poll(
+        lambda: "another volunteer" in volunteer_status(tmp_path / "v0").get("note", ""),
+        what="the volunteer to say why it has no work",
+    )
+    second = reaper(start_volunteer(url, tmp_path / "v1"))
+    assert coordinator.wait(300) == 0
+    for volunteer, state_dir in ((first, tmp_path / "v0"), (second, tmp_path / "v1")):
+        assert volunteer.wait(60) == 0
+        assert volunteer_status(state_dir)["state"] == "finished"
+        assert volunteer_status(state_dir)["note"] == "project finished"
+        said = tilehive("volunteer", "status", "--state-dir", str(state_dir))
+        assert "is finished" in said.stdout
+    text = log.read_text()
+    assert text.count("work waits:") == 1 and text.count("work flows again") == 1
+    assert "told 2 volunteer(s) that the project is finished" in text
+    done = tilehive("status", str(project)).stdout
+    assert "step 2 of 2" in done and "training finished" in done and "ETA: done" in done

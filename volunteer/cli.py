@@ -305,6 +305,11 @@ def status(state_dir: Path, as_json: bool) -> None:
     saved = state.read_status()
     if as_json:
         click.echo(json.dumps({"running": pid is not None, **(saved or {})}))
+    elif pid is None and saved and saved.get("state") == "finished":
+        click.echo(
+            f"not running: the project at {saved['url']} is finished "
+            f"({saved['tiles']} tiles computed; state directory {state_dir})"
+        )
     elif pid is None:
         click.echo(f"not running (state directory {state_dir})")
     else:

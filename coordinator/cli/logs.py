@@ -16,6 +16,7 @@ from typing import Any
 
 from coordinator.state.integrity import has_trained
 from coordinator.state.reader import ProjectReader
+from coordinator.training import history
 
 TASK_KINDS = ("gemm", "wu", "result")
 
@@ -184,31 +185,35 @@ class ProjectView:
             "tiles_per_second": round(recent / 60, 2),
             "invalid": self.reader.invalid_count(),
             "training": training_progress(self.directory),
+            **self.project_state(),
+        }
+
+    def project_state(self) -> dict[str, Any]:
+        """paused and waiting as the running coordinator last recorded them (a pause outlasts
+        a restart; why work waits is known only while a coordinator runs)."""
+        from coordinator.state.lock import holder
+
+        running = holder(self.directory)
+        pause = self.reader.last_event("project", ("paused", "resumed"))
+        wait = self.reader.last_event("wait", ("waiting", "flowing"))
+        waiting = None
+        serving = running is not None and running.get("command") == "coordinator"
+        current = wait is not None and wait["state"] == "waiting"
+        if serving and current and wait["time"] >= running.get("started", 0):
+            waiting = {"message": wait["message"], "since": wait["time"]}
+        return {
+            "paused": pause is not None and pause["state"] == "paused",
+            "waiting": waiting,
+            "coordinator": running.get("url") if running else None,
         }
 
 
 def training_progress(directory: Path) -> dict[str, Any]:
-    """Step, loss and ETA from DIR/train.jsonl and project.toml."""
+    """Step, loss and ETA from DIR/train.jsonl and project.toml, as the coordinator has them."""
     from coordinator.training.project import ProjectError, load
 
     try:
         steps = load(directory).training.steps
     except ProjectError:
         steps = None
-    lines = []
-    metrics = directory / "train.jsonl"
-    if metrics.exists():
-        lines = [json.loads(x) for x in metrics.read_text().splitlines() if x.strip()]
-    progress: dict[str, Any] = {"steps": steps, "step": 0}
-    if lines:
-        last = lines[-1]
-        progress.update(step=last["step"], loss=last["loss"])
-        vals = [x for x in lines if "val_loss" in x]
-        if vals:
-            progress["val_loss"] = vals[-1]["val_loss"]
-            progress["val_step"] = vals[-1]["step"]
-        recent = lines[-10:]
-        per_step = sum(x["seconds"] for x in recent) / len(recent)
-        if steps:
-            progress["eta_seconds"] = per_step * (steps - last["step"])
-    return progress
+    return history.progress(history.read(directory / "train.jsonl"), steps)

@@ -458,24 +458,43 @@ def status(target: str, as_json: bool) -> None:
 
 
 def status_lines(where: str, s: dict) -> list[str]:
+    """What `tilehive status` prints, from a directory's summary or a coordinator's."""
     t = s.get("training") or {}
     steps = t.get("steps") or "?"
     loss = f", loss {t['loss']:.4f}" if "loss" in t else ""
     val = f" (validation {t['val_loss']:.4f})" if "val_loss" in t else ""
     eta = t.get("eta_seconds")
-    done = t.get("step") == t.get("steps") and t.get("step")
     hosts = s.get("host_states", {})
     wus = ", ".join(f"{n} {k}" for k, n in sorted(s.get("workunits", {}).items())) or "none"
     in_flight = s.get("results", {}).get("in_progress", 0)
-    return [
-        f"{where}: step {t.get('step', 0)} of {steps}{loss}{val}",
+    lines = [f"{where}: step {t.get('step', 0)} of {steps}{loss}{val}"]
+    if t.get("done"):
+        lines.append("training finished: every step is done")
+    if s.get("paused"):
+        lines.append(
+            "PAUSED by the operator: no new work goes out (tilehive admin resume URL --project DIR)"
+        )
+    waiting = s.get("waiting")
+    if waiting and waiting.get("reason") != "paused" and not t.get("done"):
+        lines.append(f"waiting: {waiting['message']}")
+    lines += [
         f"work units: {wus}; {in_flight} tiles in flight",
         f"{s.get('tiles_per_second', 0):.1f} tiles/s over the last minute",
         f"hosts: {hosts.get('active', 0)} active, {hosts.get('idle', 0)} idle, "
         f"{hosts.get('quarantined', 0)} quarantined",
         f"validation failures: {s.get('invalid', 0)} invalid results",
-        "ETA: done" if done else f"ETA: {int(eta)}s" if eta is not None else "ETA: unknown",
     ]
+    if t.get("done"):
+        lines.append("ETA: done")
+    elif s.get("paused"):
+        lines.append("ETA: none while paused")
+    elif waiting:
+        lines.append("ETA: unknown while work waits (see above)")
+    else:
+        lines.append(f"ETA: {int(eta)}s" if eta is not None else "ETA: unknown")
+    if "coordinator" in s and not s["coordinator"]:
+        lines.append("coordinator: not running (tilehive coordinator DIR)")
+    return lines
 
 
 @main.group()
