@@ -3,10 +3,17 @@ figures after a restart, paused, the logs' limits, names, init's checks, the dem
 
 from __future__ import annotations
 
+import asyncio
 import json
+import re
+import subprocess
+import sys
 
 from coordinator.training import project as projects
+from tests import test_inspect
 from tests.procs import (
+    ENV,
+    ROOT,
     first_url,
     poll,
     start_coordinator,
@@ -15,6 +22,8 @@ from tests.procs import (
     volunteer_status,
 )
 from tests.test_training import SMALL
+
+worked = test_inspect.worked  # the fixture: a run with a liar among three volunteers
 
 
 def test_init_refuses_a_corpus_path_that_does_not_exist(tmp_path):
@@ -71,3 +80,54 @@ def test_one_volunteer_is_told_why_work_waits_and_a_finished_project_tells_them(
     assert "told 2 volunteer(s) that the project is finished" in text
     done = tilehive("status", str(project)).stdout
     assert "step 2 of 2" in done and "training finished" in done and "ETA: done" in done
+
+
+# ---- item 5: the logs show the newest, say when they cut, refuse unknown states ------------
+
+
+async def test_logs_show_the_newest_and_say_when_they_cut(worked):
+    *_, project, _ = worked
+    everything = tilehive("logs", "validation", str(project), "--json", "--limit", "100000")
+    decisions = [json.loads(line) for line in everything.stdout.splitlines()]
+    assert len(decisions) > 3 and "showing the newest" not in everything.stderr
+    newest = tilehive("logs", "validation", str(project), "--json", "--limit", "3")
+    assert [json.loads(x)["id"] for x in newest.stdout.splitlines()] == [
+        d["id"] for d in decisions[-3:]
+    ]
+    assert f"showing the newest 3 of {len(decisions)} decisions" in newest.stderr
+    failures = tilehive("logs", "validation", str(project), "--failures", "--json")
+    states = {json.loads(x)["state"] for x in failures.stdout.splitlines()}
+    assert "invalid" in states and states <= {"invalid", "no_quorum"}
+    tasks = tilehive("logs", "tasks", str(project), "--limit", "2")
+    assert len(tasks.stdout.splitlines()) == 3  # the header and two work units
+    assert "showing the newest 2 of " in tasks.stderr and "--limit N for more" in tasks.stderr
+    for command in ("tasks", "validation"):
+        bad = tilehive("logs", command, str(project), "--state", "bogus")
+        assert bad.returncode == 2 and "'bogus' is not one of" in bad.stderr
+
+
+async def test_logs_follow_one_line_per_step(worked):
+    *_, project, _ = worked
+    follower = subprocess.Popen(
+        [sys.executable, "-m", "coordinator.cli", "logs", "tasks", str(project), "-f", "--by-step"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        cwd=ROOT,
+        env=ENV,
+    )
+    try:
+        while "one line per step" not in await asyncio.to_thread(follower.stderr.readline):
+            pass
+        # What the trainer appends when step 1 ends (the worked products were step 1's).
+        record = {"step": 1, "loss": 5.25, "seconds": 0.5, "time": 0}
+        with (project / "train.jsonl").open("a") as f:
+            f.write(json.dumps(record) + "\n")
+        line = await asyncio.wait_for(asyncio.to_thread(follower.stdout.readline), 30)
+        assert "step 1: loss 5.2500" in line and "work units (" in line
+        assert re.search(r"[1-9]\d* invalid results", line)
+    finally:
+        follower.kill()
+        follower.wait()
+        follower.stdout.close()
+        follower.stderr.close()

@@ -124,7 +124,54 @@ class ProjectView:
             )
         return out
 
+    def tasks_counted(self, *, limit: int, **filters: Any) -> tuple[list[dict[str, Any]], int]:
+        """tasks(), and how many work units match in all (more than shown: output was cut)."""
+        rows = self.tasks(limit=limit, **filters)
+        if len(rows) < limit:
+            return rows, len(rows)
+        total = self.reader.count_workunits(
+            step=filters.get("step"),
+            state=filters.get("state"),
+            since=filters.get("since"),
+            host_id=self.host_id(filters.get("host")),
+        )
+        return rows, total
+
+    def step_summary(self, record: dict[str, Any]) -> dict[str, Any]:
+        """One finished step: its loss and time (train.jsonl), its work and verdicts."""
+        step = record["step"]
+        count = self.reader.count_workunits
+        summary = {k: record.get(k) for k in ("step", "loss", "val_loss", "seconds", "time")}
+        summary["workunits"] = count(step=step, state=None, since=None, host_id=None)
+        summary["assimilated"] = count(step=step, state="assimilated", since=None, host_id=None)
+        summary["errors"] = count(step=step, state="error", since=None, host_id=None)
+        summary["invalid"] = self.reader.newest_events(
+            kinds=("validation",), step=step, states=("invalid",), limit=1
+        )[1]
+        return summary
+
     # ---- events ------------------------------------------------------------------------
+
+    def newest_events(
+        self,
+        *,
+        kinds: tuple[str, ...],
+        step: int | None = None,
+        states: list[str] | None = None,
+        host: str | None = None,
+        since: float | None = None,
+        limit: int,
+    ) -> tuple[list[dict[str, Any]], int]:
+        """The newest `limit` events matching, oldest first, and how many match in all."""
+        rows, total = self.reader.newest_events(
+            kinds=kinds,
+            step=step,
+            states=states,
+            host_id=self.host_id(host),
+            since=since,
+            limit=limit,
+        )
+        return self._shaped(rows), total
 
     def events(
         self,
@@ -146,6 +193,9 @@ class ProjectView:
             since=since,
             limit=limit,
         )
+        return self._shaped(rows)
+
+    def _shaped(self, rows) -> list[dict[str, Any]]:
         names = self.host_names()
         out = []
         for r in rows:

@@ -17,6 +17,7 @@ from coordinator.training.corpus import CorpusError
 from coordinator.training.project import MODELS, ProjectError
 from coordinator.training.project import create as create_project
 from coordinator.training.project import load as load_project
+from coordinator.work.records import ValidateState, WuState
 from kernels import reference
 from volunteer.cli import emulate, log_format_option, option, volunteer
 from volunteer.logsetup import configure as configure_logging
@@ -306,18 +307,61 @@ def _since(value: str | None) -> float | None:
         raise click.BadParameter(str(exc), param_hint="--since") from exc
 
 
-def _follow(view, kinds, after, emit, filters) -> None:
-    """Print new events as they are committed, until Ctrl-C."""
+def _follow(view, kinds, after, emit, filters, only=None) -> None:
+    """Print new events as they are committed, until Ctrl-C; `only`: just these states."""
     click.echo("-- following new events; Ctrl-C to stop --", err=True)
     try:
         while True:
             for event in view.events(kinds=kinds, after=after, **filters):
-                emit(event)
+                if only is None or event["state"] in only:
+                    emit(event)
                 after = event["id"]
             sys.stdout.flush()  # a pipe is block-buffered; followers want lines now
             time.sleep(0.3)
     except KeyboardInterrupt:
         pass
+
+
+def _follow_steps(view, directory: Path, as_json: bool) -> None:
+    """One line per finished training step, until Ctrl-C."""
+    import json
+
+    from coordinator.training import history
+
+    click.echo("-- one line per step as each finishes; Ctrl-C to stop --", err=True)
+    seen = {r["step"] for r in history.read(directory / "train.jsonl")}
+    try:
+        while True:
+            for record in history.read(directory / "train.jsonl"):
+                if record["step"] in seen:
+                    continue
+                seen.add(record["step"])
+                summary = view.step_summary(record)
+                if as_json:
+                    click.echo(json.dumps({"type": "step", **summary}))
+                else:
+                    click.echo(step_line(summary))
+            sys.stdout.flush()
+            time.sleep(0.3)
+    except KeyboardInterrupt:
+        pass
+
+
+def step_line(s: dict) -> str:
+    val = f" val_loss {s['val_loss']:.4f}" if s.get("val_loss") is not None else ""
+    return (
+        f"{_clock(s.get('time'))} step {s['step']}: loss {s['loss']:.4f}{val}, "
+        f"{s['workunits']} work units ({s['assimilated']} assimilated, {s['errors']} failed), "
+        f"{s['invalid']} invalid results, {s.get('seconds', 0):.2f}s"
+    )
+
+
+def _cut(shown: int, total: int, what: str) -> None:
+    """Say on stderr (not in the output a script reads) that the output was cut."""
+    if total > shown:
+        click.echo(
+            f"-- showing the newest {shown} of {total} {what}; --limit N for more --", err=True
+        )
 
 
 def _event_line(e: dict) -> str:
@@ -327,12 +371,18 @@ def _event_line(e: dict) -> str:
     return f"{_clock(e['time'])} {where}{wu}{e['kind']} {e['state']} {host}| {e['message']}"
 
 
+WU_STATES = [s.value for s in WuState]
+VALIDATION_STATES = [s.value for s in ValidateState] + ["no_quorum"]
+# What --failures keeps: evidence that something went wrong, not the normal flow.
+TASK_FAILURES = frozenset({"client_error", "no_reply", "error", "invalid", "cancelled"})
+VALIDATION_FAILURES = frozenset({"invalid", "no_quorum"})
+
 log_filters = [
     option("--step", type=click.IntRange(min=0), default=None, help="Only this step."),
-    option("--state", default=None, help="Only this state (e.g. assimilated, invalid)."),
     option("--host", default=None, help="Only this host (id or name)."),
     option("--since", default=None, help="Only since: 90s, 10m, 2h, 1d or an ISO time."),
     option("--follow", "-f", is_flag=True, help="Keep printing new events as they happen."),
+    option("--failures", is_flag=True, help="Only failures (invalid results, errors, timeouts)."),
     option("--json", "as_json", is_flag=True, help="One JSON object per line."),
 ]
 
@@ -343,25 +393,46 @@ def with_filters(fn):
     return fn
 
 
+def limit_option(what: str):
+    return option(
+        "--limit",
+        type=click.IntRange(min=1),
+        default=200,
+        show_default=True,
+        help=f"Show the newest this many {what} (the output says when it cut some).",
+    )
+
+
 @logs.command("tasks")
 @click.argument("directory", type=click.Path(file_okay=False, path_type=Path))
 @with_filters
 @option(
-    "--limit",
-    type=click.IntRange(min=1),
-    default=200,
-    show_default=True,
-    help="The most recent work units to list.",
+    "--state", type=click.Choice(WU_STATES), default=None, help="Only work units in this state."
+)
+@limit_option("work units")
+@option(
+    "--by-step",
+    is_flag=True,
+    help="With --follow: one line per finished step instead of one per event.",
 )
 @_fail_on_project_error
-def logs_tasks(directory, step, state, host, since, follow, as_json, limit) -> None:
+def logs_tasks(
+    directory, step, host, since, follow, failures, as_json, state, limit, by_step
+) -> None:
     """Work units and their results: where each tile went and what became of it."""
     import json
 
     view = _view(directory)
     start = view.last_event_id()
+    if follow and by_step:
+        _follow_steps(view, Path(directory), as_json)
+        return
+    if failures and state is None:
+        state = "error"
     try:
-        rows = view.tasks(step=step, state=state, host=host, since=_since(since), limit=limit)
+        rows, total = view.tasks_counted(
+            step=step, state=state, host=host, since=_since(since), limit=limit
+        )
     except ValueError as exc:
         raise click.ClickException(str(exc)) from exc
     if as_json:
@@ -380,6 +451,7 @@ def logs_tasks(directory, step, state, host, since, follow, as_json, limit) -> N
                 f"{r['valid']:>2}/{r['replicas']:<2}  {','.join(r['hosts'])[:24]:24} "
                 f"{_clock(r['created'])}  {_clock(r['finished'])}"
             )
+    _cut(len(rows), total, "work units")
     if follow:
         emit = (
             (lambda e: click.echo(json.dumps({"type": "event", **e})))
@@ -388,22 +460,38 @@ def logs_tasks(directory, step, state, host, since, follow, as_json, limit) -> N
         )
         from coordinator.cli.logs import TASK_KINDS
 
-        filters = {"step": step, "state": state, "host": host, "since": None}
-        _follow(view, TASK_KINDS, start, emit, filters)
+        filters = {"step": step, "state": None, "host": host, "since": None}
+        only = TASK_FAILURES if failures else ({state} if state else None)
+        _follow(view, TASK_KINDS, start, emit, filters, only)
 
 
 @logs.command("validation")
 @click.argument("directory", type=click.Path(file_okay=False, path_type=Path))
 @with_filters
+@option(
+    "--state",
+    type=click.Choice(VALIDATION_STATES),
+    default=None,
+    help="Only decisions with this outcome.",
+)
+@limit_option("decisions")
 @_fail_on_project_error
-def logs_validation(directory, step, state, host, since, follow, as_json) -> None:
+def logs_validation(directory, step, host, since, follow, failures, as_json, state, limit) -> None:
     """Every validation decision: method, outcome, the reason with its numbers, host trust."""
     import json
 
     view = _view(directory)
-    filters = {"step": step, "state": state, "host": host}
+    start = view.last_event_id()
+    states = VALIDATION_FAILURES if failures else ({state} if state else None)
     try:
-        events = view.events(kinds=("validation",), since=_since(since), **filters)
+        events, total = view.newest_events(
+            kinds=("validation",),
+            step=step,
+            states=sorted(states) if states else None,
+            host=host,
+            since=_since(since),
+            limit=limit,
+        )
     except ValueError as exc:
         raise click.ClickException(str(exc)) from exc
 
@@ -425,9 +513,11 @@ def logs_validation(directory, step, state, host, since, follow, as_json) -> Non
         )
     for event in events:
         emit(event)
+    _cut(len(events), total, "decisions")
     if follow:
-        after = events[-1]["id"] if events else view.last_event_id()
-        _follow(view, ("validation",), after, emit, filters)
+        after = max(events[-1]["id"], start) if events else start
+        filters = {"step": step, "state": None, "host": host}
+        _follow(view, ("validation",), after, emit, filters, states)
 
 
 @main.command()
