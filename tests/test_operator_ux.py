@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import json
 import re
+import socket
 import subprocess
 import sys
 
@@ -14,6 +15,7 @@ from tests import test_inspect
 from tests.procs import (
     ENV,
     ROOT,
+    committed,
     first_url,
     poll,
     start_coordinator,
@@ -131,3 +133,43 @@ async def test_logs_follow_one_line_per_step(worked):
         follower.wait()
         follower.stdout.close()
         follower.stderr.close()
+
+
+# ---- item 7: names ------------------------------------------------------------------
+
+
+async def test_admin_quarantine_takes_a_name_and_refuses_an_ambiguous_one(worked):
+    co, url, _, project, _ = worked
+    names = [h.name for h in co.ledger.hosts.values()]
+    unique = next(n for n in names if names.count(n) == 1)
+    shared = next(n for n in names if names.count(n) > 1)  # v0: the liar and a crew member
+    host = next(h for h in co.ledger.hosts.values() if h.name == unique)
+    done = await asyncio.to_thread(
+        tilehive, "admin", "quarantine", url, unique, "--project", str(project)
+    )
+    assert done.returncode == 0 and f"host {host.id} ({unique}) quarantined" in done.stdout
+    assert co.ledger.hosts[host.id].quarantined
+    twice = await asyncio.to_thread(
+        tilehive, "admin", "release", url, shared, "--project", str(project)
+    )
+    assert twice.returncode == 1 and f"hosts are named {shared}: give the id" in twice.stderr
+    nobody = await asyncio.to_thread(
+        tilehive, "admin", "release", url, "nobody", "--project", str(project)
+    )
+    assert nobody.returncode == 1 and "404: no host named nobody" in nobody.stderr
+
+
+def test_two_volunteers_on_one_machine_get_two_default_names(tmp_path, reaper):
+    project = tmp_path / "project"
+    projects.create(project, **{**SMALL, "training.steps": 50, "work.tile": 16})
+    coordinator = reaper(start_coordinator(project, "127.0.0.1:0", tmp_path / "c.log"))
+    url = first_url(coordinator)
+    for name in ("alpha", "beta"):
+        reaper(start_volunteer(url, tmp_path / name))
+    names = lambda: sorted(n for (n,) in committed(project, "SELECT name FROM hosts"))  # noqa: E731
+    poll(lambda: len(names()) == 2, what="two registrations")
+    host = socket.gethostname()
+    assert names() == [f"{host}/alpha", f"{host}/beta"]
+    poll(lambda: volunteer_status(tmp_path / "alpha").get("tiles", 0) > 0, what="a tile")
+    line = tilehive("volunteer", "status", "--state-dir", str(tmp_path / "alpha")).stdout
+    assert "GFLOPS delivered (benchmark " in line

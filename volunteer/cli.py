@@ -9,6 +9,7 @@ import logging
 import os
 import select
 import signal
+import socket
 import sys
 import time
 from pathlib import Path
@@ -34,6 +35,7 @@ from volunteer.state import AlreadyRunning, StateDir, default_state_dir
 
 ENV_PREFIX = "TILEHIVE_"
 STARTUP_TIMEOUT = 60.0
+MAX_NAME = 64  # what the coordinator accepts (docs/protocol.md: register)
 
 log = logging.getLogger("volunteer")
 
@@ -66,6 +68,12 @@ log_format_option = option(
 )
 
 
+def default_name(state_dir: Path) -> str:
+    """The host's name and the state directory's: two volunteers on one machine (one state
+    directory each) get two names."""
+    return f"{socket.gethostname()}/{Path(state_dir).name}"[:MAX_NAME]
+
+
 @click.group()
 def volunteer() -> None:
     """Donate this machine's idle CPU to a tilehive project."""
@@ -82,7 +90,12 @@ def volunteer() -> None:
     show_default=True,
     help="Peak memory in MB; work that would not fit is refused.",
 )
-@option("--name", default=None, help="Shown in the coordinator's logs (default: hostname).")
+@option(
+    "--name",
+    default=None,
+    help="Shown in the coordinator's logs and dashboard (default: HOSTNAME/STATE-DIR-NAME, "
+    "so each volunteer on one machine has its own).",
+)
 @state_dir_option
 @option("--idle-only", is_flag=True, help="Pause while other programs keep the CPU busy.")
 @option(
@@ -126,7 +139,7 @@ def start(
         low_priority=priority == "low",
         max_backoff=max_backoff,
         invite=invite,
-        **({"name": name} if name else {}),
+        name=name or default_name(state_dir),
     )
     state = StateDir(state_dir)
     pid = state.running_pid()
@@ -237,8 +250,11 @@ async def _report_status(worker: Volunteer, state: StateDir, stop: asyncio.Event
 
 def status_line(s: dict[str, Any]) -> str:
     backoff = f" backoff {s['backoff']:.0f}s" if s["backoff"] else ""
+    # Delivered: flops of the tiles computed over the time computing them; the benchmark
+    # (measured at start, shown on the dashboard) is what the kernel does at best.
     return (
-        f"{s['state']}: {s['tiles']} tiles, {s['gflops']:.1f} GFLOPS, "
+        f"{s['state']}: {s['tiles']} tiles, {s['gflops']:.1f} GFLOPS delivered "
+        f"(benchmark {s.get('benchmark_gflops', 0):.1f}), "
         f"{s['mb_down']:.1f} MB down / {s['mb_up']:.1f} MB up, "
         f"cache hits {100 * s['cache_hit_rate']:.0f}%{backoff}"
         + (f" | {s['note']}" if s.get("note") else "")

@@ -662,20 +662,26 @@ def resume(url, project_dir, admin_token) -> None:
 
 @admin.command()
 @with_admin_options
-@click.argument("host", type=int)
+@click.argument("host")
 def quarantine(url, project_dir, admin_token, host) -> None:
-    """Give HOST (an id) no more work."""
-    _admin_call(url, f"/v1/admin/hosts/{host}/quarantine", project_dir, admin_token)
-    click.echo(f"host {host} quarantined")
+    """Give HOST (an id, or a name as the dashboard shows it) no more work."""
+    reply = _admin_call(url, _host_path(host, "quarantine"), project_dir, admin_token)
+    click.echo(f"host {reply['host_id']} ({host}) quarantined")
 
 
 @admin.command()
 @with_admin_options
-@click.argument("host", type=int)
+@click.argument("host")
 def release(url, project_dir, admin_token, host) -> None:
-    """Let HOST work again, starting with no trust and a quota of one."""
-    _admin_call(url, f"/v1/admin/hosts/{host}/release", project_dir, admin_token)
-    click.echo(f"host {host} released")
+    """Let HOST (an id or a name) work again, starting with no trust and a quota of one."""
+    reply = _admin_call(url, _host_path(host, "release"), project_dir, admin_token)
+    click.echo(f"host {reply['host_id']} ({host}) released")
+
+
+def _host_path(host: str, action: str) -> str:
+    import urllib.parse
+
+    return f"/v1/admin/hosts/{urllib.parse.quote(host, safe='')}/{action}"
 
 
 @admin.command("cancel-step")
