@@ -5,10 +5,13 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
+import pty
 import re
 import socket
 import subprocess
 import sys
+import urllib.request
 
 from coordinator.training import project as projects
 from tests import test_inspect
@@ -173,3 +176,54 @@ def test_two_volunteers_on_one_machine_get_two_default_names(tmp_path, reaper):
     poll(lambda: volunteer_status(tmp_path / "alpha").get("tiles", 0) > 0, what="a tile")
     line = tilehive("volunteer", "status", "--state-dir", str(tmp_path / "alpha")).stdout
     assert "GFLOPS delivered (benchmark " in line
+
+
+# ---- item 6: the demo shows its dashboard ---------------------------------------------
+
+
+def test_the_demo_shows_its_dashboard_until_enter(tmp_path):
+    directory = tmp_path / "demo"
+    projects.create(directory, **{**SMALL, "training.steps": 2, "work.tile": 16})
+    controller, terminal = pty.openpty()  # a terminal on stdin: the demo waits for Enter
+    demo = subprocess.Popen(
+        [sys.executable, "-m", "coordinator.cli", "demo", "--volunteers", "2", "--dir", directory],
+        stdin=terminal,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        text=True,
+        cwd=ROOT,
+        env=ENV,
+    )
+    os.close(terminal)
+    try:
+        said = []
+        while not said or "press Enter to stop" not in said[-1]:
+            line = demo.stdout.readline()
+            assert line, "the demo ended before training was done: " + "".join(said)
+            said.append(line)
+        text = "".join(said)
+        url = re.search(r"dashboard: (http://\S+)/", text).group(1)
+        assert "each needs the one before" in text and "computing" in text
+        with urllib.request.urlopen(url + "/", timeout=10) as reply:
+            assert "Training finished: all 2 steps done" in reply.read().decode()
+        os.write(controller, b"\n")
+        assert demo.wait(60) == 0
+        rest = demo.stdout.read()
+        assert f"checkpoints: {directory / 'checkpoints'}" in rest
+    finally:
+        if demo.poll() is None:
+            demo.kill()
+            demo.wait()
+        demo.stdout.close()
+        os.close(controller)
+
+
+def test_the_demo_with_no_wait_stops_when_training_is_done(tmp_path):
+    directory = tmp_path / "demo"
+    projects.create(directory, **{**SMALL, "training.steps": 2, "work.tile": 16})
+    result = tilehive(
+        "demo", "--volunteers", "2", "--dir", str(directory), "--no-wait", timeout=300
+    )
+    assert result.returncode == 0, result.stderr
+    assert "dashboard: http://127.0.0.1:" in result.stdout
+    assert "press Enter" not in result.stdout

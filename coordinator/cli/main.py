@@ -272,12 +272,20 @@ def sample(directory: Path, prompt: str, length: int, temperature: float, seed: 
     help="Project directory (default: a temporary one, removed afterwards).",
 )
 @option("--keep", is_flag=True, help="Keep the temporary project directory.")
+@option(
+    "--no-wait",
+    is_flag=True,
+    help="Stop as soon as training is done (default: keep the dashboard up until Enter).",
+)
 @_fail_on_project_error
-def demo(volunteers: int, steps: int, directory: Path | None, keep: bool) -> None:
-    """Train a small model with a coordinator and volunteers on this machine."""
+def demo(volunteers: int, steps: int, directory: Path | None, keep: bool, no_wait: bool) -> None:
+    """Train a small model with a coordinator and volunteers on this machine.
+
+    Prints the dashboard's URL; once training is done, keeps it up until you press Enter
+    (or stops at once with --no-wait, or when not run from a terminal)."""
     from coordinator.cli.demo import run_demo
 
-    run_demo(volunteers, steps, directory, keep)
+    run_demo(volunteers, steps, directory, keep, wait=not no_wait)
 
 
 @main.group()
