@@ -4,6 +4,7 @@ figures after a restart, paused, the logs' limits, names, init's checks, the dem
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import pty
@@ -11,10 +12,12 @@ import re
 import socket
 import subprocess
 import sys
+import time
 import urllib.request
 
 from coordinator.training import project as projects
 from tests import test_inspect
+from tests.conftest import operands
 from tests.procs import (
     ENV,
     ROOT,
@@ -26,7 +29,10 @@ from tests.procs import (
     tilehive,
     volunteer_status,
 )
+from tests.test_coordinator_e2e import running
 from tests.test_training import SMALL
+from tests.volunteers import wait_until
+from volunteer.client import CoordinatorClient
 
 worked = test_inspect.worked  # the fixture: a run with a liar among three volunteers
 
@@ -227,3 +233,27 @@ def test_the_demo_with_no_wait_stops_when_training_is_done(tmp_path):
     assert result.returncode == 0, result.stderr
     assert "dashboard: http://127.0.0.1:" in result.stdout
     assert "press Enter" not in result.stdout
+
+
+async def test_work_waits_for_volunteers_then_for_a_larger_one(tmp_path, rng):
+    async with running(tmp_path, tile=16) as (co, queue, url):
+        a, b = operands(rng, 32, 32, 40_000, False, False)  # panels of 2.5 MB
+        product = asyncio.ensure_future(queue.matmul(a, b, step=1, label="wide"))
+        try:
+            await wait_until(lambda: co.ledger.unsent)
+            co.waiting.check(time.time())
+            assert co.waiting.current.reason == "no_volunteers"
+            assert "none has asked for work" in co.waiting.current.message
+            async with CoordinatorClient(url) as client:
+                await client.register("small", max_memory_mb=1)
+                reply = await client.request_work("r1", capacity=2, wait=False)
+                assert reply["assignments"] == [] and "raise --max-memory" in reply["note"]
+                co.waiting.check(time.time())
+                wait = co.waiting.current
+                assert wait.reason == "hosts_too_small" and "offers 1 MB" in wait.message
+                status = (await client.status())["waiting"]
+                assert status["reason"] == "hosts_too_small" and status["tiles"] > 0
+        finally:
+            product.cancel()
+            with contextlib.suppress(BaseException):
+                await product

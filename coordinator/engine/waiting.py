@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from coordinator.rules.scheduler import memory_need, takes_replacement
 from coordinator.state.ledger import Ledger
 from coordinator.work.events import Event
-from coordinator.work.records import Host, ServerState
+from coordinator.work.records import ServerState
 
 log = logging.getLogger(__name__)
 
@@ -72,18 +72,21 @@ def explain(ledger: Ledger, paused: bool, now: float) -> Wait | None:
         wu = ledger.wus.get(result.wu_id) if result is not None else None
         if wu is None or result.server_state is not ServerState.UNSENT:
             continue
-        fits = [h for h in hosts if _fits(h, wu, ledger)]
+        wants = memory_need(wu, ledger.panel_bytes)
+        holders = ledger.hosts_of_wu.get(wu.id, set())
+        fits = False
+        for h in hosts:  # usually the first host settles it: with many, work flows
+            if h.max_memory_mb and wants > h.max_memory_mb * MB:
+                continue
+            fits = True
+            if h.id not in holders or takes_replacement(h, wu, ledger.results_for(wu.id)):
+                return None  # a connected host may take it: work flows
         if not fits:
             too_small += 1
-            need = max(need, memory_need(wu, ledger.panel_bytes))
-            continue
-        holders = ledger.hosts_of_wu.get(wu.id, set())
-        siblings = ledger.results_for(wu.id)
-        if all(h.id in holders and not takes_replacement(h, wu, siblings) for h in fits):
+            need = max(need, wants)
+        else:
             held += 1
             quorum, policy = max(quorum, wu.min_quorum), wu.policy.value
-            continue
-        return None  # a connected host may take it: work flows
     if too_small >= held and too_small:
         largest = max(h.max_memory_mb for h in hosts)
         return Wait(
@@ -102,10 +105,6 @@ def explain(ledger: Ledger, paused: bool, now: float) -> Wait | None:
             waiting,
         )
     return None
-
-
-def _fits(host: Host, wu, ledger: Ledger) -> bool:
-    return not host.max_memory_mb or memory_need(wu, ledger.panel_bytes) <= host.max_memory_mb * MB
 
 
 class Waiting:
