@@ -241,14 +241,16 @@ async def test_work_waits_for_volunteers_then_for_a_larger_one(tmp_path, rng):
         product = asyncio.ensure_future(queue.matmul(a, b, step=1, label="wide"))
         try:
             await wait_until(lambda: co.ledger.unsent)
-            co.waiting.check(time.time())
+            for _ in range(2):  # a reason counts once two looks agree
+                co.waiting.check(time.time())
             assert co.waiting.current.reason == "no_volunteers"
             assert "none has asked for work" in co.waiting.current.message
             async with CoordinatorClient(url) as client:
                 await client.register("small", max_memory_mb=1)
                 reply = await client.request_work("r1", capacity=2, wait=False)
                 assert reply["assignments"] == [] and "raise --max-memory" in reply["note"]
-                co.waiting.check(time.time())
+                for _ in range(2):
+                    co.waiting.check(time.time())
                 wait = co.waiting.current
                 assert wait.reason == "hosts_too_small" and "offers 1 MB" in wait.message
                 status = (await client.status())["waiting"]

@@ -249,7 +249,7 @@ class ProjectView:
         waiting = None
         serving = running is not None and running.get("command") == "coordinator"
         current = wait is not None and wait["state"] == "waiting"
-        if serving and current and wait["time"] >= running.get("started", 0):
+        if serving and current and wait["time"] >= running["since"] - 1:
             waiting = {"message": wait["message"], "since": wait["time"]}
         return {
             "paused": pause is not None and pause["state"] == "paused",

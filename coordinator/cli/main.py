@@ -336,8 +336,8 @@ def _follow_steps(view, directory: Path, as_json: bool) -> None:
 
     from coordinator.training import history
 
-    click.echo("-- one line per step as each finishes; Ctrl-C to stop --", err=True)
     seen = {r["step"] for r in history.read(directory / "train.jsonl")}
+    click.echo("-- one line per step as each finishes; Ctrl-C to stop --", err=True)
     try:
         while True:
             for record in history.read(directory / "train.jsonl"):

@@ -115,7 +115,7 @@ async def host_project(project: Project, bind_host: str, port: int, keep_serving
             interrupts.starting = False
             try:
                 public = public_url(bind_host, url)
-                lock.describe(url=public, started=time.time())
+                lock.describe(url=public)
                 announce(
                     f"tilehive coordinator: volunteers connect to {public}\n"
                     f"  e.g. tilehive volunteer start {public}"

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from coordinator.rules.scheduler import memory_need, takes_replacement
 from coordinator.state.ledger import Ledger
 from coordinator.work.events import Event
-from coordinator.work.records import ServerState
+from coordinator.work.records import Outcome, ServerState, ValidateState
 
 log = logging.getLogger(__name__)
 
@@ -72,6 +72,8 @@ def explain(ledger: Ledger, paused: bool, now: float) -> Wait | None:
         wu = ledger.wus.get(result.wu_id) if result is not None else None
         if wu is None or result.server_state is not ServerState.UNSENT:
             continue
+        if wu.accelerated and _live(ledger.results_for(wu.id)) >= wu.min_quorum:
+            continue  # a tail's spare replica: wanted if a fast host is free, never waited for
         wants = memory_need(wu, ledger.panel_bytes)
         holders = ledger.hosts_of_wu.get(wu.id, set())
         fits = False
@@ -107,6 +109,16 @@ def explain(ledger: Ledger, paused: bool, now: float) -> Wait | None:
     return None
 
 
+def _live(results) -> int:
+    """Replicas in progress, or reported and not found invalid."""
+    return sum(
+        1
+        for r in results
+        if r.server_state is ServerState.IN_PROGRESS
+        or (r.outcome is Outcome.SUCCESS and r.validate_state is not ValidateState.INVALID)
+    )
+
+
 class Waiting:
     """The current reason work waits, said once per change."""
 
@@ -114,31 +126,29 @@ class Waiting:
         self.ledger = ledger
         self.paused = paused  # the Coordinator's switch
         self.current: Wait | None = None
+        self._seen: str | None = None  # the reason found by the previous look
 
     def check(self, now: float) -> bool:
-        """Look again; True when the reason changed (and was logged)."""
+        """Look again; True when the reason changed (and was logged). A new reason counts
+        once two looks in a row find it (a moment between two products is no wait); a
+        pause, the operator's own doing, and the end of a wait count at once."""
         found = explain(self.ledger, self.paused(), now)
+        reason = found.reason if found is not None else None
+        seen, self._seen = self._seen, reason
         before = self.current
-        if found is None and before is None:
-            return False
-        if found is not None and before is not None and found.reason == before.reason:
+        if before is not None and found is not None and before.reason == found.reason:
             # The same wait, perhaps with other counts: keep its start, say nothing again.
             self.current = Wait(found.reason, found.message, found.tiles, before.since)
             return False
+        if before is None and found is None:
+            return False
+        if found is not None and reason != seen and reason != "paused":
+            return False  # not sure yet: keep what was said
         if found is not None:
             self.current = Wait(found.reason, found.message, found.tiles, now)
             log.warning("work waits: %s", found.message, extra={"reason": found.reason})
-            self.ledger.log(
-                [
-                    Event(
-                        now,
-                        "wait",
-                        "waiting",
-                        found.message,
-                        data=json.dumps({"reason": found.reason}),
-                    )
-                ]
-            )
+            data = json.dumps({"reason": found.reason})
+            self.ledger.log([Event(now, "wait", "waiting", found.message, data=data)])
         else:
             self.current = None
             message = f"work flows again (it waited {now - before.since:.0f}s: {before.reason})"
