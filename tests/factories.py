@@ -10,7 +10,9 @@ import subprocess
 import sys
 from pathlib import Path
 
+import aiohttp
 import numpy as np
+from prometheus_client.parser import text_string_to_metric_families
 
 from coordinator.engine.config import CoordinatorConfig
 from coordinator.engine.coordinator import Coordinator
@@ -136,3 +138,14 @@ def make_pair(tmp_path: Path, steps: int, **extra) -> tuple[Path, Path]:
     result = tilehive("train", str(local), "--local", timeout=300)
     assert result.returncode == 0, result.stderr
     return local, remote
+
+
+async def metric_values(url: str) -> dict[tuple, float]:
+    async with aiohttp.ClientSession() as session, session.get(url + "/metrics") as reply:
+        assert reply.status == 200
+        text = await reply.text()
+    values = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            values[(sample.name, tuple(sorted(sample.labels.items())))] = sample.value
+    return values

@@ -70,13 +70,15 @@ def committed(directory: Path, query: str) -> list[tuple]:
         return db.execute(query).fetchall()
 
 
-def tilehive(*args: str, timeout: float = 60) -> subprocess.CompletedProcess:
+def tilehive(
+    *args: str, timeout: float = 60, env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess:
     return subprocess.run(
         [sys.executable, "-m", "coordinator.cli", *args],
         capture_output=True,
         text=True,
         cwd=ROOT,
-        env=ENV,
+        env={**ENV, **(env or {})},
         timeout=timeout,
     )
 

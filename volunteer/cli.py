@@ -9,6 +9,7 @@ import logging
 import os
 import select
 import signal
+import socket
 import sys
 import time
 from pathlib import Path
@@ -34,13 +35,16 @@ from volunteer.state import AlreadyRunning, StateDir, default_state_dir
 
 ENV_PREFIX = "TILEHIVE_"
 STARTUP_TIMEOUT = 60.0
+MAX_NAME = 64  # what the coordinator accepts (docs/protocol.md: register)
 
 log = logging.getLogger("volunteer")
 
 
 def option(*names: str, **kwargs: Any):
-    """A click option that also reads TILEHIVE_<LONG_NAME> from the environment."""
-    long_name = max(names, key=len).lstrip("-")
+    """A click option that also reads TILEHIVE_<FLAG> from the environment: the flag's
+    longest spelling (`--max-memory`: TILEHIVE_MAX_MEMORY), never the parameter's Python
+    name (`--json`, stored as `as_json`, is TILEHIVE_JSON)."""
+    long_name = max((n for n in names if n.startswith("--")), key=len).lstrip("-")
     kwargs.setdefault("envvar", ENV_PREFIX + long_name.upper().replace("-", "_"))
     kwargs.setdefault("show_envvar", True)
     return click.option(*names, **kwargs)
@@ -64,6 +68,12 @@ log_format_option = option(
 )
 
 
+def default_name(state_dir: Path) -> str:
+    """The host's name and the state directory's: two volunteers on one machine (one state
+    directory each) get two names."""
+    return f"{socket.gethostname()}/{Path(state_dir).name}"[:MAX_NAME]
+
+
 @click.group()
 def volunteer() -> None:
     """Donate this machine's idle CPU to a tilehive project."""
@@ -80,7 +90,12 @@ def volunteer() -> None:
     show_default=True,
     help="Peak memory in MB; work that would not fit is refused.",
 )
-@option("--name", default=None, help="Shown in the coordinator's logs (default: hostname).")
+@option(
+    "--name",
+    default=None,
+    help="Shown in the coordinator's logs and dashboard (default: HOSTNAME/STATE-DIR-NAME, "
+    "so each volunteer on one machine has its own).",
+)
 @state_dir_option
 @option("--idle-only", is_flag=True, help="Pause while other programs keep the CPU busy.")
 @option(
@@ -124,7 +139,7 @@ def start(
         low_priority=priority == "low",
         max_backoff=max_backoff,
         invite=invite,
-        **({"name": name} if name else {}),
+        name=name or default_name(state_dir),
     )
     state = StateDir(state_dir)
     pid = state.running_pid()
@@ -235,8 +250,11 @@ async def _report_status(worker: Volunteer, state: StateDir, stop: asyncio.Event
 
 def status_line(s: dict[str, Any]) -> str:
     backoff = f" backoff {s['backoff']:.0f}s" if s["backoff"] else ""
+    # Delivered: flops of the tiles computed over the time computing them; the benchmark
+    # (measured at start, shown on the dashboard) is what the kernel does at best.
     return (
-        f"{s['state']}: {s['tiles']} tiles, {s['gflops']:.1f} GFLOPS, "
+        f"{s['state']}: {s['tiles']} tiles, {s['gflops']:.1f} GFLOPS delivered "
+        f"(benchmark {s.get('benchmark_gflops', 0):.1f}), "
         f"{s['mb_down']:.1f} MB down / {s['mb_up']:.1f} MB up, "
         f"cache hits {100 * s['cache_hit_rate']:.0f}%{backoff}"
         + (f" | {s['note']}" if s.get("note") else "")
@@ -303,6 +321,11 @@ def status(state_dir: Path, as_json: bool) -> None:
     saved = state.read_status()
     if as_json:
         click.echo(json.dumps({"running": pid is not None, **(saved or {})}))
+    elif pid is None and saved and saved.get("state") == "finished":
+        click.echo(
+            f"not running: the project at {saved['url']} is finished "
+            f"({saved['tiles']} tiles computed; state directory {state_dir})"
+        )
     elif pid is None:
         click.echo(f"not running (state directory {state_dir})")
     else:
@@ -367,7 +390,7 @@ def status(state_dir: Path, as_json: bool) -> None:
     show_default=True,
     help="Seconds between progress lines (0: none).",
 )
-@option("--json", "as_json", is_flag=True, envvar="TILEHIVE_JSON", help="Print the report as JSON.")
+@option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
 def emulate(
     url: str,
     hosts: int,

@@ -21,7 +21,7 @@ from volunteer.cache import BlobCache
 from volunteer.client import CoordinatorClient, compute_tile
 from volunteer.loop import PullLoop
 from volunteer.policy import MB, WORKSPACE_PER_THREAD
-from volunteer.session import Quarantined
+from volunteer.session import ProjectFinished, Quarantined
 from volunteer.state import StateDir
 
 log = logging.getLogger(__name__)
@@ -91,6 +91,7 @@ class Volunteer(PullLoop):
         self.limit_name = f"--max-memory {config.max_memory_mb} MB"
         self.state_dir = StateDir(config.state_dir)
         self.server_note = ""  # the coordinator's last word on why there is no work for us
+        self._logged_note = ""
         self.started = time.monotonic()
 
     def prepare(self) -> None:
@@ -125,12 +126,13 @@ class Volunteer(PullLoop):
         """Work until `stop` is set; then finish or abandon the current tile and report."""
         try:
             await self.session(stop)
-        except Quarantined:
+        except (Quarantined, ProjectFinished):
             stop.set()
         try:
             await self.leave(graceful=True, timeout=self.config.stop_timeout)
         finally:
-            self.state = "stopped"
+            if self.state != "finished":
+                self.state = "stopped"
             await self.client.close()
 
     # ---- the primitives: real sockets, real threads ---------------------------------------
@@ -146,10 +148,11 @@ class Volunteer(PullLoop):
 
     def _heard(self, reply: dict[str, Any], wait: bool) -> None:
         note = reply.get("note", "")
-        if note != self.server_note:
-            self.server_note = note
-            if note:
-                log.warning("coordinator: %s", note)
+        self.server_note = note
+        if note and note != self._logged_note:
+            # Once per reason, however often the coordinator repeats it between tiles.
+            self._logged_note = note
+            log.warning("coordinator: %s", note)
 
     def _forget(self) -> None:
         self.state_dir.identity_file.unlink(missing_ok=True)
@@ -176,7 +179,7 @@ class Volunteer(PullLoop):
             "pid": os.getpid(),
             "url": self.config.url,
             "state": self.state,
-            "note": self.server_note or self.note,
+            "note": self.note if self.state == "finished" else self.server_note or self.note,
             "tiles": s.tiles,
             "gflops": round(s.gflops(), 2),
             "benchmark_gflops": round(self.gflops, 2),

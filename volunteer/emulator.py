@@ -38,7 +38,7 @@ from volunteer.loop import PullLoop, Stats
 from volunteer.policy import MB, budget_for
 from volunteer.profile import HostTraits, Profile
 from volunteer.profile import load as load_profile
-from volunteer.session import NETWORK, Quarantined, wait
+from volunteer.session import NETWORK, ProjectFinished, Quarantined, wait
 
 log = logging.getLogger(__name__)
 
@@ -492,6 +492,8 @@ class Emulation:
                     await host.session(stop, time.monotonic() + host.traits.session_s)
                 except Quarantined:
                     quarantined = True
+                except ProjectFinished:
+                    return  # no more work will come: this host is done for good
                 finally:
                     self.totals.online -= 1
                 graceful = stop.is_set() or host.rng.random() < host.traits.graceful

@@ -37,7 +37,7 @@ from volunteer.policy import (
     time_to_ask,
     work_budget_mb,
 )
-from volunteer.session import NETWORK, TRANSIENT, CoordinatorSession, wait
+from volunteer.session import NETWORK, TRANSIENT, CoordinatorSession, ProjectFinished, wait
 
 log = logging.getLogger(__name__)
 
@@ -216,6 +216,8 @@ class PullLoop(CoordinatorSession):
         }
         reply = await self._call("work", lambda: self.client.request_work(request_id, **message))
         self._heard(reply, wait_for_work)
+        if reply.get("finished"):
+            raise ProjectFinished(reply.get("note") or "no more work will come")
         self.short = len(reply["assignments"]) < room
         self._keep_inline(reply.get("blobs") or {})
         self._take(reply)

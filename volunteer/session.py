@@ -39,6 +39,10 @@ class Quarantined(Exception):
         self.refusal = refusal
 
 
+class ProjectFinished(Exception):
+    """The coordinator says its project is finished: no more work will come, stop asking."""
+
+
 class CoordinatorSession:
     """Cycles of work through `client` until stopped; subclasses supply `_cycle` and
     `_identify`, and may put their own network under `_request`."""
@@ -83,7 +87,8 @@ class CoordinatorSession:
         self.log.error("the coordinator refuses this host: %s", exc.message)
 
     async def session(self, stop: asyncio.Event, until: float = math.inf) -> None:
-        """Work until `stop` is set or the monotonic time `until`. Raises Quarantined."""
+        """Work until `stop` is set or the monotonic time `until`. Raises Quarantined, or
+        ProjectFinished when the coordinator says there will be no more work."""
         while not stop.is_set() and time.monotonic() < until:
             endpoint = "register"
             try:
@@ -91,6 +96,11 @@ class CoordinatorSession:
                     await self._identify()
                 endpoint = "work"
                 await self._cycle(stop)
+            except ProjectFinished as exc:
+                self.state = "finished"
+                self.note = "project finished"
+                self.log.info("%s; stopping", exc)
+                raise
             except ServerRefused as exc:
                 await self._refused(getattr(exc, "endpoint", endpoint), exc, stop)
             except TRANSIENT as exc:

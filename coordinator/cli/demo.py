@@ -17,6 +17,7 @@ import click
 from tqdm import tqdm
 
 from coordinator.state.reader import ProjectReader
+from coordinator.training import history
 from coordinator.training import project as projects
 
 POLL = 0.5
@@ -79,7 +80,15 @@ def _busy_share(directory: Path, volunteers: int) -> float | None:
     return compute / uptime if uptime else None
 
 
-def run_demo(volunteers: int, steps: int, directory: Path | None, keep: bool) -> None:
+BUSY_MEANING = (
+    "the rest of the time they waited: for the next product of a step (each needs the one "
+    "before), for the coordinator's own arithmetic between products, and for the network"
+)
+
+
+def run_demo(
+    volunteers: int, steps: int, directory: Path | None, keep: bool, wait: bool = True
+) -> None:
     temporary = directory is None
     directory = Path(tempfile.mkdtemp(prefix="tilehive-demo-")) if temporary else directory
     if not (directory / projects.PROJECT_FILE).exists():
@@ -94,7 +103,8 @@ def run_demo(volunteers: int, steps: int, directory: Path | None, keep: bool) ->
     )
     try:
         coordinator = _spawn(
-            ["coordinator", str(directory), "--bind", "127.0.0.1:0"], logs / "coordinator.log"
+            ["coordinator", str(directory), "--bind", "127.0.0.1:0", "--keep-serving"],
+            logs / "coordinator.log",
         )
         children.append(coordinator)
         first = coordinator.stdout.readline()
@@ -104,53 +114,67 @@ def run_demo(volunteers: int, steps: int, directory: Path | None, keep: bool) ->
                 f"the coordinator did not start; see {logs / 'coordinator.log'}"
             )
         url = first[first.index("http://") :].split()[0]
-        for i in range(volunteers):
-            children.append(
-                _spawn(
-                    [
-                        "volunteer",
-                        "start",
-                        url,
-                        "--state-dir",
-                        str(directory / f"volunteer-{i}"),
-                        "--threads",
-                        "1",
-                        "--name",
-                        f"demo-{i}",
-                        "--max-backoff",
-                        "2",
-                    ],
-                    logs / f"volunteer-{i}.log",
-                )
+        click.echo(f"dashboard: {url}/  (open it in a browser to watch the volunteers work)")
+        crew = [
+            _spawn(
+                [
+                    "volunteer",
+                    "start",
+                    url,
+                    "--state-dir",
+                    str(directory / f"volunteer-{i}"),
+                    "--threads",
+                    "1",
+                    "--name",
+                    f"demo-{i}",
+                    "--max-backoff",
+                    "2",
+                ],
+                logs / f"volunteer-{i}.log",
             )
-        _watch(coordinator, url, project.training.steps)
-        if coordinator.wait() != 0:
+            for i in range(volunteers)
+        ]
+        children += crew
+        if not _watch(coordinator, url, project.training.steps):
             raise click.ClickException(f"the coordinator failed; see {logs / 'coordinator.log'}")
+        for volunteer in crew:  # told the project is finished, each writes its status, exits
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                volunteer.wait(30)
+        for line in _summary(directory):
+            click.echo(line)
+        busy = _busy_share(directory, volunteers)
+        if busy is not None:
+            click.echo(f"volunteers were computing {100 * busy:.0f}% of the time they ran;")
+            click.echo(f"  {BUSY_MEANING}")
+        metrics = history.read(directory / "train.jsonl")
+        click.echo(
+            f"loss: {metrics[0]['loss']:.3f} at step {metrics[0]['step']} -> "
+            f"{metrics[-1]['loss']:.3f} at step {metrics[-1]['step']}"
+        )
+        if wait and sys.stdin.isatty():
+            click.echo(f"training done; the dashboard stays at {url}/ : press Enter to stop")
+            with contextlib.suppress(EOFError):
+                input()
     except KeyboardInterrupt:
         click.echo("\ninterrupted; stopping the coordinator and volunteers")
         raise SystemExit(130) from None
     finally:
         for child in reversed(children):
             _stop(child)
-    for line in _summary(directory):
-        click.echo(line)
-    busy = _busy_share(directory, volunteers)
-    if busy is not None:
-        click.echo(f"volunteers were computing {100 * busy:.0f}% of the time they ran")
-    metrics = [json.loads(x) for x in (directory / "train.jsonl").read_text().splitlines()]
-    click.echo(
-        f"loss: {metrics[0]['loss']:.3f} at step 1 -> {metrics[-1]['loss']:.3f} at step "
-        f"{metrics[-1]['step']}"
-    )
-    click.echo(f"checkpoints: {project.checkpoints}")
-    click.echo(f"logs: {logs} (coordinator.log, volunteer-N.log), {directory / 'train.jsonl'}")
     if temporary and not keep:
         shutil.rmtree(directory, ignore_errors=True)
-        click.echo("(temporary project removed; pass --dir DIR or --keep to keep it)")
+        click.echo(
+            "(the project was temporary and is removed; pass --keep or --dir DIR to keep its "
+            "checkpoints and logs)"
+        )
+    else:
+        click.echo(f"checkpoints: {project.checkpoints}")
+        click.echo(f"logs: {logs} (coordinator.log, volunteer-N.log), {directory / 'train.jsonl'}")
 
 
-def _watch(coordinator: subprocess.Popen, url: str, steps: int) -> None:
-    """A progress bar over training steps, with loss, tiles/s and rejected tiles."""
+def _watch(coordinator: subprocess.Popen, url: str, steps: int) -> bool:
+    """A progress bar over training steps, with loss, tiles/s and rejected tiles, until the
+    coordinator says training is done (True) or exits first (False)."""
     bar = tqdm(total=steps, unit="step", dynamic_ncols=True, file=sys.stdout)
     last_tiles, last_time, step = 0, time.monotonic(), 0
     try:
@@ -164,7 +188,7 @@ def _watch(coordinator: subprocess.Popen, url: str, steps: int) -> None:
             if training.get("step", 0) > step:
                 bar.update(training["step"] - step)
                 step = training["step"]
-            if training:
+            if "loss" in training:
                 bar.set_postfix(
                     loss=f"{training['loss']:.3f}",
                     tiles_s=f"{rate:.0f}",
@@ -172,8 +196,9 @@ def _watch(coordinator: subprocess.Popen, url: str, steps: int) -> None:
                     refresh=False,
                 )
             bar.refresh()
+            if training.get("done"):
+                return True
             time.sleep(POLL)
-        if coordinator.returncode == 0:
-            bar.update(steps - step)
+        return False
     finally:
         bar.close()

@@ -16,6 +16,7 @@ from typing import Any
 
 from coordinator.state.integrity import has_trained
 from coordinator.state.reader import ProjectReader
+from coordinator.training import history
 
 TASK_KINDS = ("gemm", "wu", "result")
 
@@ -123,7 +124,54 @@ class ProjectView:
             )
         return out
 
+    def tasks_counted(self, *, limit: int, **filters: Any) -> tuple[list[dict[str, Any]], int]:
+        """tasks(), and how many work units match in all (more than shown: output was cut)."""
+        rows = self.tasks(limit=limit, **filters)
+        if len(rows) < limit:
+            return rows, len(rows)
+        total = self.reader.count_workunits(
+            step=filters.get("step"),
+            state=filters.get("state"),
+            since=filters.get("since"),
+            host_id=self.host_id(filters.get("host")),
+        )
+        return rows, total
+
+    def step_summary(self, record: dict[str, Any]) -> dict[str, Any]:
+        """One finished step: its loss and time (train.jsonl), its work and verdicts."""
+        step = record["step"]
+        count = self.reader.count_workunits
+        summary = {k: record.get(k) for k in ("step", "loss", "val_loss", "seconds", "time")}
+        summary["workunits"] = count(step=step, state=None, since=None, host_id=None)
+        summary["assimilated"] = count(step=step, state="assimilated", since=None, host_id=None)
+        summary["errors"] = count(step=step, state="error", since=None, host_id=None)
+        summary["invalid"] = self.reader.newest_events(
+            kinds=("validation",), step=step, states=("invalid",), limit=1
+        )[1]
+        return summary
+
     # ---- events ------------------------------------------------------------------------
+
+    def newest_events(
+        self,
+        *,
+        kinds: tuple[str, ...],
+        step: int | None = None,
+        states: list[str] | None = None,
+        host: str | None = None,
+        since: float | None = None,
+        limit: int,
+    ) -> tuple[list[dict[str, Any]], int]:
+        """The newest `limit` events matching, oldest first, and how many match in all."""
+        rows, total = self.reader.newest_events(
+            kinds=kinds,
+            step=step,
+            states=states,
+            host_id=self.host_id(host),
+            since=since,
+            limit=limit,
+        )
+        return self._shaped(rows), total
 
     def events(
         self,
@@ -145,6 +193,9 @@ class ProjectView:
             since=since,
             limit=limit,
         )
+        return self._shaped(rows)
+
+    def _shaped(self, rows) -> list[dict[str, Any]]:
         names = self.host_names()
         out = []
         for r in rows:
@@ -184,31 +235,35 @@ class ProjectView:
             "tiles_per_second": round(recent / 60, 2),
             "invalid": self.reader.invalid_count(),
             "training": training_progress(self.directory),
+            **self.project_state(),
+        }
+
+    def project_state(self) -> dict[str, Any]:
+        """paused and waiting as the running coordinator last recorded them (a pause outlasts
+        a restart; why work waits is known only while a coordinator runs)."""
+        from coordinator.state.lock import holder
+
+        running = holder(self.directory)
+        pause = self.reader.last_event("project", ("paused", "resumed"))
+        wait = self.reader.last_event("wait", ("waiting", "flowing"))
+        waiting = None
+        serving = running is not None and running.get("command") == "coordinator"
+        current = wait is not None and wait["state"] == "waiting"
+        if serving and current and wait["time"] >= running["since"] - 1:
+            waiting = {"message": wait["message"], "since": wait["time"]}
+        return {
+            "paused": pause is not None and pause["state"] == "paused",
+            "waiting": waiting,
+            "coordinator": running.get("url") if running else None,
         }
 
 
 def training_progress(directory: Path) -> dict[str, Any]:
-    """Step, loss and ETA from DIR/train.jsonl and project.toml."""
+    """Step, loss and ETA from DIR/train.jsonl and project.toml, as the coordinator has them."""
     from coordinator.training.project import ProjectError, load
 
     try:
         steps = load(directory).training.steps
     except ProjectError:
         steps = None
-    lines = []
-    metrics = directory / "train.jsonl"
-    if metrics.exists():
-        lines = [json.loads(x) for x in metrics.read_text().splitlines() if x.strip()]
-    progress: dict[str, Any] = {"steps": steps, "step": 0}
-    if lines:
-        last = lines[-1]
-        progress.update(step=last["step"], loss=last["loss"])
-        vals = [x for x in lines if "val_loss" in x]
-        if vals:
-            progress["val_loss"] = vals[-1]["val_loss"]
-            progress["val_step"] = vals[-1]["step"]
-        recent = lines[-10:]
-        per_step = sum(x["seconds"] for x in recent) / len(recent)
-        if steps:
-            progress["eta_seconds"] = per_step * (steps - last["step"])
-    return progress
+    return history.progress(history.read(directory / "train.jsonl"), steps)

@@ -17,6 +17,7 @@ from coordinator.training.corpus import CorpusError
 from coordinator.training.project import MODELS, ProjectError
 from coordinator.training.project import create as create_project
 from coordinator.training.project import load as load_project
+from coordinator.work.records import ValidateState, WuState
 from kernels import reference
 from volunteer.cli import emulate, log_format_option, option, volunteer
 from volunteer.logsetup import configure as configure_logging
@@ -138,6 +139,22 @@ def _bind(value: str) -> tuple[str, int]:
     return host.strip("[]"), int(port)
 
 
+def _check_corpus(given: str, source: str) -> None:
+    """Refuse at init what the coordinator would refuse at its start: a missing path, or
+    one with too little text (the coordinator reads it with the project's defaults)."""
+    from coordinator.training.corpus import load as load_corpus
+    from coordinator.training.project import CorpusSettings
+
+    if not Path(source).exists():
+        raise click.BadParameter(
+            f"{given!r}: no such file or folder (give a text file, a folder of text files, "
+            "or python-stdlib)",
+            param_hint="--corpus",
+        )
+    defaults = CorpusSettings()
+    load_corpus(source, defaults.max_mb, defaults.validation_share)
+
+
 @main.command()
 @click.argument("directory", type=click.Path(file_okay=False, path_type=Path))
 @option("--model", type=click.Choice(MODELS), default="tiny-gpt", show_default=True)
@@ -159,6 +176,7 @@ def init(directory: Path, model: str, corpus: str, seed, steps, tile) -> None:
             overrides[key] = value
     if corpus != "python-stdlib":
         overrides["corpus.source"] = str(Path(corpus).expanduser().resolve())
+        _check_corpus(corpus, overrides["corpus.source"])
     created = create_project(directory, **overrides)
     click.echo(
         f"created {directory / 'project.toml'}: {created.model.name}, "
@@ -254,12 +272,20 @@ def sample(directory: Path, prompt: str, length: int, temperature: float, seed: 
     help="Project directory (default: a temporary one, removed afterwards).",
 )
 @option("--keep", is_flag=True, help="Keep the temporary project directory.")
+@option(
+    "--no-wait",
+    is_flag=True,
+    help="Stop as soon as training is done (default: keep the dashboard up until Enter).",
+)
 @_fail_on_project_error
-def demo(volunteers: int, steps: int, directory: Path | None, keep: bool) -> None:
-    """Train a small model with a coordinator and volunteers on this machine."""
+def demo(volunteers: int, steps: int, directory: Path | None, keep: bool, no_wait: bool) -> None:
+    """Train a small model with a coordinator and volunteers on this machine.
+
+    Prints the dashboard's URL; once training is done, keeps it up until you press Enter
+    (or stops at once with --no-wait, or when not run from a terminal)."""
     from coordinator.cli.demo import run_demo
 
-    run_demo(volunteers, steps, directory, keep)
+    run_demo(volunteers, steps, directory, keep, wait=not no_wait)
 
 
 @main.group()
@@ -289,18 +315,61 @@ def _since(value: str | None) -> float | None:
         raise click.BadParameter(str(exc), param_hint="--since") from exc
 
 
-def _follow(view, kinds, after, emit, filters) -> None:
-    """Print new events as they are committed, until Ctrl-C."""
+def _follow(view, kinds, after, emit, filters, only=None) -> None:
+    """Print new events as they are committed, until Ctrl-C; `only`: just these states."""
     click.echo("-- following new events; Ctrl-C to stop --", err=True)
     try:
         while True:
             for event in view.events(kinds=kinds, after=after, **filters):
-                emit(event)
+                if only is None or event["state"] in only:
+                    emit(event)
                 after = event["id"]
             sys.stdout.flush()  # a pipe is block-buffered; followers want lines now
             time.sleep(0.3)
     except KeyboardInterrupt:
         pass
+
+
+def _follow_steps(view, directory: Path, as_json: bool) -> None:
+    """One line per finished training step, until Ctrl-C."""
+    import json
+
+    from coordinator.training import history
+
+    seen = {r["step"] for r in history.read(directory / "train.jsonl")}
+    click.echo("-- one line per step as each finishes; Ctrl-C to stop --", err=True)
+    try:
+        while True:
+            for record in history.read(directory / "train.jsonl"):
+                if record["step"] in seen:
+                    continue
+                seen.add(record["step"])
+                summary = view.step_summary(record)
+                if as_json:
+                    click.echo(json.dumps({"type": "step", **summary}))
+                else:
+                    click.echo(step_line(summary))
+            sys.stdout.flush()
+            time.sleep(0.3)
+    except KeyboardInterrupt:
+        pass
+
+
+def step_line(s: dict) -> str:
+    val = f" val_loss {s['val_loss']:.4f}" if s.get("val_loss") is not None else ""
+    return (
+        f"{_clock(s.get('time'))} step {s['step']}: loss {s['loss']:.4f}{val}, "
+        f"{s['workunits']} work units ({s['assimilated']} assimilated, {s['errors']} failed), "
+        f"{s['invalid']} invalid results, {s.get('seconds', 0):.2f}s"
+    )
+
+
+def _cut(shown: int, total: int, what: str) -> None:
+    """Say on stderr (not in the output a script reads) that the output was cut."""
+    if total > shown:
+        click.echo(
+            f"-- showing the newest {shown} of {total} {what}; --limit N for more --", err=True
+        )
 
 
 def _event_line(e: dict) -> str:
@@ -310,12 +379,18 @@ def _event_line(e: dict) -> str:
     return f"{_clock(e['time'])} {where}{wu}{e['kind']} {e['state']} {host}| {e['message']}"
 
 
+WU_STATES = [s.value for s in WuState]
+VALIDATION_STATES = [s.value for s in ValidateState] + ["no_quorum"]
+# What --failures keeps: evidence that something went wrong, not the normal flow.
+TASK_FAILURES = frozenset({"client_error", "no_reply", "error", "invalid", "cancelled"})
+VALIDATION_FAILURES = frozenset({"invalid", "no_quorum"})
+
 log_filters = [
     option("--step", type=click.IntRange(min=0), default=None, help="Only this step."),
-    option("--state", default=None, help="Only this state (e.g. assimilated, invalid)."),
     option("--host", default=None, help="Only this host (id or name)."),
     option("--since", default=None, help="Only since: 90s, 10m, 2h, 1d or an ISO time."),
     option("--follow", "-f", is_flag=True, help="Keep printing new events as they happen."),
+    option("--failures", is_flag=True, help="Only failures (invalid results, errors, timeouts)."),
     option("--json", "as_json", is_flag=True, help="One JSON object per line."),
 ]
 
@@ -326,25 +401,46 @@ def with_filters(fn):
     return fn
 
 
+def limit_option(what: str):
+    return option(
+        "--limit",
+        type=click.IntRange(min=1),
+        default=200,
+        show_default=True,
+        help=f"Show the newest this many {what} (the output says when it cut some).",
+    )
+
+
 @logs.command("tasks")
 @click.argument("directory", type=click.Path(file_okay=False, path_type=Path))
 @with_filters
 @option(
-    "--limit",
-    type=click.IntRange(min=1),
-    default=200,
-    show_default=True,
-    help="The most recent work units to list.",
+    "--state", type=click.Choice(WU_STATES), default=None, help="Only work units in this state."
+)
+@limit_option("work units")
+@option(
+    "--by-step",
+    is_flag=True,
+    help="With --follow: one line per finished step instead of one per event.",
 )
 @_fail_on_project_error
-def logs_tasks(directory, step, state, host, since, follow, as_json, limit) -> None:
+def logs_tasks(
+    directory, step, host, since, follow, failures, as_json, state, limit, by_step
+) -> None:
     """Work units and their results: where each tile went and what became of it."""
     import json
 
     view = _view(directory)
     start = view.last_event_id()
+    if follow and by_step:
+        _follow_steps(view, Path(directory), as_json)
+        return
+    if failures and state is None:
+        state = "error"
     try:
-        rows = view.tasks(step=step, state=state, host=host, since=_since(since), limit=limit)
+        rows, total = view.tasks_counted(
+            step=step, state=state, host=host, since=_since(since), limit=limit
+        )
     except ValueError as exc:
         raise click.ClickException(str(exc)) from exc
     if as_json:
@@ -363,6 +459,7 @@ def logs_tasks(directory, step, state, host, since, follow, as_json, limit) -> N
                 f"{r['valid']:>2}/{r['replicas']:<2}  {','.join(r['hosts'])[:24]:24} "
                 f"{_clock(r['created'])}  {_clock(r['finished'])}"
             )
+    _cut(len(rows), total, "work units")
     if follow:
         emit = (
             (lambda e: click.echo(json.dumps({"type": "event", **e})))
@@ -371,22 +468,38 @@ def logs_tasks(directory, step, state, host, since, follow, as_json, limit) -> N
         )
         from coordinator.cli.logs import TASK_KINDS
 
-        filters = {"step": step, "state": state, "host": host, "since": None}
-        _follow(view, TASK_KINDS, start, emit, filters)
+        filters = {"step": step, "state": None, "host": host, "since": None}
+        only = TASK_FAILURES if failures else ({state} if state else None)
+        _follow(view, TASK_KINDS, start, emit, filters, only)
 
 
 @logs.command("validation")
 @click.argument("directory", type=click.Path(file_okay=False, path_type=Path))
 @with_filters
+@option(
+    "--state",
+    type=click.Choice(VALIDATION_STATES),
+    default=None,
+    help="Only decisions with this outcome.",
+)
+@limit_option("decisions")
 @_fail_on_project_error
-def logs_validation(directory, step, state, host, since, follow, as_json) -> None:
+def logs_validation(directory, step, host, since, follow, failures, as_json, state, limit) -> None:
     """Every validation decision: method, outcome, the reason with its numbers, host trust."""
     import json
 
     view = _view(directory)
-    filters = {"step": step, "state": state, "host": host}
+    start = view.last_event_id()
+    states = VALIDATION_FAILURES if failures else ({state} if state else None)
     try:
-        events = view.events(kinds=("validation",), since=_since(since), **filters)
+        events, total = view.newest_events(
+            kinds=("validation",),
+            step=step,
+            states=sorted(states) if states else None,
+            host=host,
+            since=_since(since),
+            limit=limit,
+        )
     except ValueError as exc:
         raise click.ClickException(str(exc)) from exc
 
@@ -408,9 +521,11 @@ def logs_validation(directory, step, state, host, since, follow, as_json) -> Non
         )
     for event in events:
         emit(event)
+    _cut(len(events), total, "decisions")
     if follow:
-        after = events[-1]["id"] if events else view.last_event_id()
-        _follow(view, ("validation",), after, emit, filters)
+        after = max(events[-1]["id"], start) if events else start
+        filters = {"step": step, "state": None, "host": host}
+        _follow(view, ("validation",), after, emit, filters, states)
 
 
 @main.command()
@@ -441,24 +556,43 @@ def status(target: str, as_json: bool) -> None:
 
 
 def status_lines(where: str, s: dict) -> list[str]:
+    """What `tilehive status` prints, from a directory's summary or a coordinator's."""
     t = s.get("training") or {}
     steps = t.get("steps") or "?"
     loss = f", loss {t['loss']:.4f}" if "loss" in t else ""
     val = f" (validation {t['val_loss']:.4f})" if "val_loss" in t else ""
     eta = t.get("eta_seconds")
-    done = t.get("step") == t.get("steps") and t.get("step")
     hosts = s.get("host_states", {})
     wus = ", ".join(f"{n} {k}" for k, n in sorted(s.get("workunits", {}).items())) or "none"
     in_flight = s.get("results", {}).get("in_progress", 0)
-    return [
-        f"{where}: step {t.get('step', 0)} of {steps}{loss}{val}",
+    lines = [f"{where}: step {t.get('step', 0)} of {steps}{loss}{val}"]
+    if t.get("done"):
+        lines.append("training finished: every step is done")
+    if s.get("paused"):
+        lines.append(
+            "PAUSED by the operator: no new work goes out (tilehive admin resume URL --project DIR)"
+        )
+    waiting = s.get("waiting")
+    if waiting and waiting.get("reason") != "paused" and not t.get("done"):
+        lines.append(f"waiting: {waiting['message']}")
+    lines += [
         f"work units: {wus}; {in_flight} tiles in flight",
         f"{s.get('tiles_per_second', 0):.1f} tiles/s over the last minute",
         f"hosts: {hosts.get('active', 0)} active, {hosts.get('idle', 0)} idle, "
         f"{hosts.get('quarantined', 0)} quarantined",
         f"validation failures: {s.get('invalid', 0)} invalid results",
-        "ETA: done" if done else f"ETA: {int(eta)}s" if eta is not None else "ETA: unknown",
     ]
+    if t.get("done"):
+        lines.append("ETA: done")
+    elif s.get("paused"):
+        lines.append("ETA: none while paused")
+    elif waiting:
+        lines.append("ETA: unknown while work waits (see above)")
+    else:
+        lines.append(f"ETA: {int(eta)}s" if eta is not None else "ETA: unknown")
+    if "coordinator" in s and not s["coordinator"]:
+        lines.append("coordinator: not running (tilehive coordinator DIR)")
+    return lines
 
 
 @main.group()
@@ -536,20 +670,26 @@ def resume(url, project_dir, admin_token) -> None:
 
 @admin.command()
 @with_admin_options
-@click.argument("host", type=int)
+@click.argument("host")
 def quarantine(url, project_dir, admin_token, host) -> None:
-    """Give HOST (an id) no more work."""
-    _admin_call(url, f"/v1/admin/hosts/{host}/quarantine", project_dir, admin_token)
-    click.echo(f"host {host} quarantined")
+    """Give HOST (an id, or a name as the dashboard shows it) no more work."""
+    reply = _admin_call(url, _host_path(host, "quarantine"), project_dir, admin_token)
+    click.echo(f"host {reply['host_id']} ({host}) quarantined")
 
 
 @admin.command()
 @with_admin_options
-@click.argument("host", type=int)
+@click.argument("host")
 def release(url, project_dir, admin_token, host) -> None:
-    """Let HOST work again, starting with no trust and a quota of one."""
-    _admin_call(url, f"/v1/admin/hosts/{host}/release", project_dir, admin_token)
-    click.echo(f"host {host} released")
+    """Let HOST (an id or a name) work again, starting with no trust and a quota of one."""
+    reply = _admin_call(url, _host_path(host, "release"), project_dir, admin_token)
+    click.echo(f"host {reply['host_id']} ({host}) released")
+
+
+def _host_path(host: str, action: str) -> str:
+    import urllib.parse
+
+    return f"/v1/admin/hosts/{urllib.parse.quote(host, safe='')}/{action}"
 
 
 @admin.command("cancel-step")

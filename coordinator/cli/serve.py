@@ -4,13 +4,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import logging
 import os
 import signal
 import socket
 import sys
-from pathlib import Path
+import time
 
 from coordinator.engine.backend import TrainingThread, VolunteerBackend, on_loop
 from coordinator.engine.config import CoordinatorConfig
@@ -22,12 +21,15 @@ from coordinator.server.api import serve
 from coordinator.state import integrity
 from coordinator.state.lock import ProjectLock
 from coordinator.state.sqlite import SqliteStore
+from coordinator.training import history
 from coordinator.training.project import Project
 from coordinator.training.trainer import StepReport, Trainer
 
 log = logging.getLogger(__name__)
 
 SWITCH_INTERVAL = 0.0005  # seconds a thread may hold the GIL while another waits
+FINISH_GRACE = 15.0  # seconds a finished coordinator waits for its volunteers to hear it
+RECENT_CONTACT = 30.0  # volunteers in contact this recently are told before it exits
 
 
 def coordinator_config(project: Project) -> CoordinatorConfig:
@@ -55,14 +57,6 @@ def public_url(host: str, url: str) -> str:
         port = url.rsplit(":", 1)[1]
         return f"http://{socket.gethostname()}:{port}"
     return url
-
-
-def read_history(metrics: Path) -> list[dict]:
-    """Steps trained before a restart, for the dashboard's loss curve."""
-    try:
-        return [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()]
-    except (FileNotFoundError, json.JSONDecodeError):
-        return []
 
 
 def announce(text: str) -> None:
@@ -139,6 +133,28 @@ async def host_project(project: Project, bind_host: str, port: int, keep_serving
         return 130
 
 
+async def tell_volunteers(coordinator: Coordinator, stop: asyncio.Event) -> None:
+    """Before exiting, let every volunteer in recent contact hear that the project is
+    finished (they ask at least every FINISH_GRACE seconds), so they stop rather than retry
+    a coordinator that is gone."""
+    since = time.time() - RECENT_CONTACT
+    deadline = time.monotonic() + FINISH_GRACE
+    requests = coordinator.requests
+    while requests.untold(since) and time.monotonic() < deadline and not stop.is_set():
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(stop.wait(), timeout=0.1)
+    untold = requests.untold(since)
+    if untold:
+        log.warning(
+            "%d volunteer(s) did not ask again within %.0fs and were not told the project is "
+            "finished: they will find the coordinator gone",
+            len(untold),
+            FINISH_GRACE,
+        )
+    else:
+        log.info("told %d volunteer(s) that the project is finished", len(requests.told))
+
+
 async def _train(
     coordinator: Coordinator, project: Project, url: str, keep_serving: bool, stop: asyncio.Event
 ) -> int:
@@ -155,7 +171,7 @@ async def _train(
         )
 
     trainer = Trainer(project, VolunteerBackend(coordinator.products, loop))
-    coordinator.progress.history = read_history(trainer.metrics)
+    coordinator.progress.restore(history.read(trainer.metrics), steps)
     # The trainer runs on a thread of its own: what it reports and prunes, it hands back here.
     trainer.on_checkpoint = lambda step: on_loop(coordinator.products.prune(step), loop)
     thread = TrainingThread(
@@ -188,10 +204,12 @@ async def _train(
                 )
                 return 1
             log.info("training done: %d steps; checkpoints in %s", steps, project.checkpoints)
-            coordinator.progress.training["done"] = True
+            coordinator.requests.finish()
             if keep_serving:
                 announce(f"training done; still serving {url} (Ctrl-C to stop)")
                 await stopper
+            else:
+                await tell_volunteers(coordinator, stop)
             return 0
         training.cancel()
         with contextlib.suppress(asyncio.CancelledError):

@@ -21,6 +21,7 @@ from coordinator.engine.progress import Progress
 from coordinator.engine.recovery import lost_products
 from coordinator.engine.reports import Reports
 from coordinator.engine.requests import WorkRequests
+from coordinator.engine.waiting import Waiting
 from coordinator.rules.access import Access, admin_token
 from coordinator.rules.scheduler import Scheduler
 from coordinator.state.blobs import BlobStore
@@ -33,6 +34,7 @@ __all__ = ["Coordinator", "CoordinatorConfig", "GemmFailed", "GemmOutput"]
 log = logging.getLogger(__name__)
 
 REPLY_PRUNE_EVERY = 60.0  # seconds between prunes of the stored work replies
+WAIT_CHECK_EVERY = 1.0  # seconds between looks at why work waits
 
 
 class Coordinator:
@@ -80,6 +82,9 @@ class Coordinator:
         self.products.published = self.passes.wake
         self.passes.after_pass = self.progress.sample_rate
         self.progress.paused = lambda: self.requests.paused
+        self.waiting = Waiting(self.ledger, lambda: self.requests.paused)
+        self.progress.waiting = lambda: self.waiting.current
+        self.requests.why_waiting = self.waiting.note
         self.ledger.on_unsent = self.requests.signal_work
         # The background passes (validate, transition, assimilate, commit): they run until
         # stop() and end early only by failing, which whoever waits on the work must see.
@@ -101,6 +106,7 @@ class Coordinator:
             message = f"{gemm.label or gemm.id[:12]} of step {gemm.step} lost blobs; run again"
             log.warning("%s (a power cut?)", message)
             self.products.drop(gemm, message, time.time())
+        await self._restore_pause()
         if snapshot.gemms:
             log.info(
                 "resuming %d GEMMs with %d work units",
@@ -111,7 +117,19 @@ class Coordinator:
         self._tasks = [
             self.loop,
             asyncio.create_task(self._housekeeping(), name="tilehive-housekeeping"),
+            asyncio.create_task(self._watch_waiting(), name="tilehive-waiting"),
         ]
+
+    async def _restore_pause(self) -> None:
+        """A pause outlasts a restart: the operator paused for a reason only they can undo."""
+        paused = await self.store.recent_events("project", "paused", 1)
+        resumed = await self.store.recent_events("project", "resumed", 1)
+        if paused and (not resumed or paused[0].time >= resumed[0].time):
+            self.requests.paused = True
+            log.warning(
+                "the project is paused, as its operator left it: no new work goes out "
+                "(tilehive admin resume URL --project DIR)"
+            )
 
     async def stop(self) -> None:
         for task in self._tasks:
@@ -131,6 +149,12 @@ class Coordinator:
         while True:
             await asyncio.sleep(REPLY_PRUNE_EVERY)
             await self.requests.prune_replies(time.time())
+
+    async def _watch_waiting(self) -> None:
+        while True:
+            await asyncio.sleep(WAIT_CHECK_EVERY)
+            if self.waiting.check(time.time()):
+                await self.ledger.flush()
 
     # The parts' state that the server, the command line and the tests read.
 

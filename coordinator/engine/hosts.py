@@ -8,7 +8,7 @@ from coordinator.rules import trust
 from coordinator.rules.access import Access, token_hash
 from coordinator.state.ledger import Ledger
 from coordinator.work.events import Event
-from coordinator.work.protocol import RegisterRequest, Unauthorized
+from coordinator.work.protocol import BadRequest, NotFound, RegisterRequest, Unauthorized, loggable
 from coordinator.work.records import Host
 
 
@@ -51,3 +51,20 @@ class HostRegistry:
         if host_id is None:
             raise Unauthorized("unknown token: register again")
         return self.ledger.hosts[host_id]
+
+    def find(self, id_or_name: str) -> int:
+        """A host's id from its id or its name (the operator's word for it). Raises NotFound,
+        or BadRequest when several hosts share the name."""
+        if id_or_name.isascii() and id_or_name.isdigit():
+            if len(id_or_name) > 18:  # beyond any id; int() of 5,000 digits would raise
+                raise NotFound(f"no host {loggable(id_or_name[:20])}...")
+            return int(id_or_name)
+        named = sorted(h.id for h in self.ledger.hosts.values() if h.name == id_or_name)
+        if not named:
+            raise NotFound(f"no host named {loggable(id_or_name)}")
+        if len(named) > 1:
+            ids = ", ".join(map(str, named))
+            raise BadRequest(
+                f"{len(named)} hosts are named {loggable(id_or_name)}: give the id ({ids})"
+            )
+        return named[0]

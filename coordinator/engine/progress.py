@@ -7,6 +7,7 @@ from collections import deque
 
 from coordinator.engine.metrics import Metrics
 from coordinator.state.ledger import Ledger
+from coordinator.training import history
 from coordinator.work.records import GemmState
 
 ACTIVE_WITHIN = 300.0  # seconds since its last contact for a host to count as active
@@ -20,14 +21,25 @@ class Progress:
         self.history: list[dict] = []  # one entry per step: loss, val_loss, seconds
         self.rates: deque[tuple[float, int]] = deque(maxlen=600)  # (time, tiles_in) samples
         self.paused = lambda: False  # the Coordinator's switch
+        self.waiting = lambda: None  # why work waits (engine/waiting.py), if it does
         self.metrics = Metrics(self.status)
+
+    def restore(self, records: list[dict], steps: int) -> None:
+        """Start from the project's history (train.jsonl): after a restart, status, the
+        dashboard and /metrics show the step reached, not step 0."""
+        self.history = list(records)
+        self.training = history.progress(self.history, steps)
+        if "loss" in self.training:
+            self.metrics.loss.set(self.training["loss"])
+        self.metrics.step.set(self.training["step"])
 
     def record_step(self, step: int, steps: int, loss: float, val_loss, seconds: float) -> None:
         """What the training loop reports after each step (status, dashboard, metrics)."""
-        self.training = {"step": step, "steps": steps, "loss": loss, "seconds": seconds}
+        record = {"step": step, "loss": loss, "seconds": seconds, "time": time.time()}
         if val_loss is not None:
-            self.training["val_loss"] = val_loss
-        self.history.append(dict(self.training, time=time.time()))
+            record["val_loss"] = val_loss
+        self.history.append(record)
+        self.training = history.progress(self.history, steps)
         self.metrics.loss.set(loss)
         self.metrics.step.set(step)
         self.metrics.steps.observe(seconds)
@@ -69,9 +81,6 @@ class Progress:
         """A summary of what is in memory, for /metrics and the dashboard."""
         ledger = self.ledger
         training = dict(self.training)
-        if training.get("step") and self.history:
-            per_step = sum(h["seconds"] for h in self.history[-10:]) / len(self.history[-10:])
-            training["eta_seconds"] = per_step * (training["steps"] - training["step"])
         return {
             "gemms_active": sum(1 for g in ledger.gemms.values() if g.state is GemmState.ACTIVE),
             "workunits": _count(wu.state.value for wu in ledger.wus.values()),
@@ -82,6 +91,7 @@ class Progress:
             "tiles_per_second": round(self.tiles_per_second(), 2),
             "training": training,
             "paused": self.paused(),
+            "waiting": _as_dict(self.waiting()),
             **self.stats,
         }
 
@@ -91,3 +101,7 @@ def _count(values) -> dict[str, int]:
     for value in values:
         counts[value] = counts.get(value, 0) + 1
     return counts
+
+
+def _as_dict(wait) -> dict | None:
+    return wait.to_dict() if wait is not None else None

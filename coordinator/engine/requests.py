@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections import OrderedDict
+from collections.abc import Callable
 
 from coordinator.engine.config import CoordinatorConfig
 from coordinator.engine.waiters import Waiters
@@ -22,6 +23,8 @@ from coordinator.work.records import Host, Result, WorkUnit
 REPLIES_KEPT_PER_HOST = 16  # in memory; the store keeps config.replies_per_host
 PAUSED_DELAY = 5.0  # seconds a host waits before asking a paused project again
 INLINE_BYTES = 4 << 20  # operand panels sent inside one work reply, at most
+FINISHED_DELAY = 60.0  # an older volunteer that does not know `finished` asks seldom
+FINISHED_NOTE = "the project is finished: every training step is done"
 
 
 class WorkRequests:
@@ -43,6 +46,9 @@ class WorkRequests:
         self.scheduler = scheduler
         self.stats = stats
         self.paused = False  # set by the operator: no new work goes out
+        self.why_waiting: Callable[[], str | None] = lambda: None  # engine/waiting.py
+        self.finished = False  # training is done: every request is told so
+        self.told: set[int] = set()  # hosts told that the project is finished
         self.waiters = Waiters()  # long-polling work requests
         self._replies: dict[int, OrderedDict[str, bytes]] = {}
         self._inflight: dict[tuple[int, str], asyncio.Future] = {}
@@ -50,6 +56,20 @@ class WorkRequests:
     def signal_work(self) -> None:
         """New unsent results: wake as many waiting requests as there is work for."""
         self.waiters.wake(len(self.ledger.unsent))
+
+    def finish(self) -> None:
+        """Training is done: from now on every work request is answered `finished`, and
+        the requests waiting for work are answered at once."""
+        self.finished = True
+        self.waiters.wake_all()
+
+    def untold(self, since: float) -> list[int]:
+        """Hosts in contact since `since` that have not yet been told the project is done."""
+        return [
+            h.id
+            for h in self.ledger.hosts.values()
+            if h.last_contact >= since and not h.quarantined and h.id not in self.told
+        ]
 
     async def request_work(self, host: Host, request: WorkRequest, now: float) -> bytes:
         """The answer to a work request; a repeated request id gets the same bytes back.
@@ -91,6 +111,8 @@ class WorkRequests:
         if request.gflops:
             host = host.evolve(gflops=request.gflops)
         self.ledger.put_host(host)
+        if self.finished:
+            return self._finished(host, request)
         if self.paused:
             return encode(
                 {
@@ -107,6 +129,8 @@ class WorkRequests:
             remaining = deadline - time.monotonic()
             if remaining <= 0 or not await self.waiters.wait(remaining):
                 break
+            if self.finished:
+                return self._finished(host, request)
             now = time.time()
             host = self.ledger.hosts[host.id]
             plan = self.scheduler.plan(host, request, now)
@@ -130,6 +154,8 @@ class WorkRequests:
                 f"({host.max_memory_mb} MB); the smallest needs "
                 f"{plan.smallest_need / (1 << 20):.1f} MB: raise --max-memory"
             )
+        elif not assignments and (why := self.why_waiting()):
+            message["note"] = why
         body = encode(message)
         # A reply that assigns or aborts nothing changes nothing: a retry may be planned
         # afresh, so only memory keeps it (10,000 idle hosts would write 5,000 rows/s).
@@ -157,6 +183,20 @@ class WorkRequests:
                 inline[blob] = data
                 size += len(data)
         return inline
+
+    def _finished(self, host: Host, request: WorkRequest) -> bytes:
+        """The answer once training is done: no work, ever; drop what you hold."""
+        self.told.add(host.id)
+        return encode(
+            {
+                "assignments": [],
+                "abort": list(request.in_progress),
+                "bytes_saved": 0,
+                "delay": FINISHED_DELAY,
+                "finished": True,
+                "note": FINISHED_NOTE,
+            }
+        )
 
     def _assignment(self, wu: WorkUnit, result: Result, now: float) -> dict:
         m, n, k = wu.shape

@@ -209,10 +209,7 @@ async def admin_pause(request: web.Request) -> web.Response:
 async def admin_host(request: web.Request) -> web.Response:
     co = request.app[COORDINATOR]
     co.access.check_admin(bearer(request))
-    try:
-        host_id = int(request.match_info["host_id"])
-    except ValueError as exc:
-        raise protocol.BadRequest("host id must be an integer") from exc
+    host_id = co.hosts.find(request.match_info["host_id"])
     action = request.match_info["action"]
     host = await co.operator.set_quarantined(host_id, action == "quarantine", time.time())
     return msgpack_response({"host_id": host.id, "quarantined": host.quarantined})

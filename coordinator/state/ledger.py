@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 import heapq
 import math
-from collections import Counter, defaultdict
+from collections import Counter, defaultdict, deque
 from collections.abc import Callable
 
 from coordinator.state.store import Batch, Reply, Snapshot, Store
@@ -20,6 +20,8 @@ from coordinator.work.records import (
     ValidateState,
     WorkUnit,
 )
+
+REPORTED_KEPT = 4000  # results remembered for the dashboard's task stream
 
 
 class Ledger:
@@ -55,6 +57,9 @@ class Ledger:
         self._batch = Batch()
         self._lock = asyncio.Lock()
         self.on_unsent: Callable[[], None] | None = None  # new work for waiting hosts
+        # The latest results reported (host, sent, received, outcome): the dashboard's task
+        # stream. Bounded: it is a view, not a record (the store has every result).
+        self.reported: deque[tuple[int, float, float, str]] = deque(maxlen=REPORTED_KEPT)
 
     # ---- reading -------------------------------------------------------------------------
 
@@ -107,6 +112,19 @@ class Ledger:
             self.invalid_count += 1
         if old is not None:
             self._unindex(old)
+            if (
+                old.server_state is ServerState.IN_PROGRESS
+                and result.received_time is not None
+                and result.host_id is not None
+            ):
+                self.reported.append(
+                    (
+                        result.host_id,
+                        old.sent_time or 0.0,
+                        result.received_time,
+                        result.outcome.value,
+                    )
+                )
         self.results[result.id] = result
         self._index(result)
         self._batch.results[result.id] = result

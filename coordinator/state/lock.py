@@ -63,6 +63,32 @@ class ProjectLock:
         self.release()
 
 
+def holder(directory: Path | str) -> dict | None:
+    """What the lock file says of a holder that still runs (pid, command, url, and `since`:
+    when it last described itself, i.e. started serving), or None. Read without locking,
+    so that a reader never stands in a starting writer's way; a file left by a holder that
+    exited names a pid that no longer runs."""
+    try:
+        fd = os.open(Path(directory) / LOCK_FILE, os.O_RDONLY | os.O_CLOEXEC)
+    except OSError:
+        return None
+    try:
+        found = _read(fd)
+        found["since"] = os.fstat(fd).st_mtime
+    finally:
+        os.close(fd)
+    pid = found.get("pid")
+    if not isinstance(pid, int) or pid <= 0:
+        return None
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return None
+    except PermissionError:
+        pass  # another user's process: it runs
+    return found
+
+
 def _read(fd: int) -> dict:
     try:
         holder = json.loads(os.pread(fd, 4096, 0) or b"{}")

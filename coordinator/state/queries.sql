@@ -183,3 +183,32 @@ SELECT name, valid_count, invalid_count, error_count FROM hosts ORDER BY id;
 
 -- name: count_products
 SELECT (SELECT COUNT(*) FROM gemms) AS gemms, (SELECT COUNT(*) FROM workunits) AS workunits;
+
+-- name: select_newest_events_of_kinds
+SELECT * FROM events
+WHERE kind IN (SELECT value FROM json_each(:kinds))
+  AND (:step IS NULL OR step = :step)
+  AND (:state IS NULL OR state IN (SELECT value FROM json_each(:state)))
+  AND (:host_id IS NULL OR host_id = :host_id)
+  AND (:since IS NULL OR time >= :since)
+ORDER BY id DESC LIMIT :limit;
+
+-- name: count_events_of_kinds
+SELECT COUNT(*) AS n FROM events
+WHERE kind IN (SELECT value FROM json_each(:kinds))
+  AND (:step IS NULL OR step = :step)
+  AND (:state IS NULL OR state IN (SELECT value FROM json_each(:state)))
+  AND (:host_id IS NULL OR host_id = :host_id)
+  AND (:since IS NULL OR time >= :since);
+
+-- name: count_workunits_for_log
+SELECT COUNT(*) AS n FROM workunits w
+WHERE (:step IS NULL OR w.step = :step)
+  AND (:state IS NULL OR w.state = :state)
+  AND (:since IS NULL OR w.created >= :since)
+  AND (:host_id IS NULL OR w.id IN (SELECT wu_id FROM results WHERE host_id = :host_id));
+
+-- name: select_last_event_in_states
+SELECT * FROM events
+WHERE kind = :kind AND state IN (SELECT value FROM json_each(:states))
+ORDER BY id DESC LIMIT 1;

@@ -130,6 +130,42 @@ class ProjectReader:
             limit=limit,
         )
 
+    def newest_events(
+        self,
+        *,
+        kinds: Iterable[str],
+        step: int | None = None,
+        states: Iterable[str] | None = None,
+        host_id: int | None = None,
+        since: float | None = None,
+        limit: int,
+    ) -> tuple[list[sqlite3.Row], int]:
+        """The newest `limit` events matching the filters, oldest first, and how many match."""
+        filters = {
+            "kinds": json.dumps(list(kinds)),
+            "step": step,
+            "state": json.dumps(list(states)) if states is not None else None,
+            "host_id": host_id,
+            "since": since,
+        }
+        rows = self._rows("select_newest_events_of_kinds", **filters, limit=limit)
+        total = self._rows("count_events_of_kinds", **filters)[0]["n"]
+        return rows[::-1], total
+
+    def count_workunits(
+        self, *, step: int | None, state: str | None, since: float | None, host_id: int | None
+    ) -> int:
+        """How many work units match the filters of `workunits`."""
+        return self._rows(
+            "count_workunits_for_log", step=step, state=state, since=since, host_id=host_id
+        )[0]["n"]
+
+    def last_event(self, kind: str, states: Iterable[str]) -> sqlite3.Row | None:
+        """The newest event of `kind` in one of `states` (project: paused or resumed; wait:
+        waiting or flowing)."""
+        rows = self._rows("select_last_event_in_states", kind=kind, states=json.dumps(list(states)))
+        return rows[0] if rows else None
+
     def last_event_id(self) -> int:
         return self._rows("select_last_event_id")[0]["n"]
 

@@ -11,11 +11,10 @@ import sys
 
 import aiohttp
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
 
-from tests.factories import operands, running, volunteers
+from tests.factories import metric_values, operands, running, volunteers
 from tests.procs import ENV, ROOT
-from tests.volunteers import Behaviour, wait_until
+from tests.volunteers import Behaviour
 from volunteer.client import CoordinatorClient
 
 ARTIFACTS = ROOT / "test-artifacts"
@@ -30,33 +29,6 @@ def tilehive(*args: str, timeout: float = 60) -> subprocess.CompletedProcess:
         env=ENV,
         timeout=timeout,
     )
-
-
-async def metric_values(url: str) -> dict[tuple, float]:
-    async with aiohttp.ClientSession() as session, session.get(url + "/metrics") as reply:
-        assert reply.status == 200
-        text = await reply.text()
-    values = {}
-    for family in text_string_to_metric_families(text):
-        for sample in family.samples:
-            values[(sample.name, tuple(sorted(sample.labels.items())))] = sample.value
-    return values
-
-
-@pytest.fixture
-async def worked(tmp_path, rng):
-    """A coordinator that computed two products with one liar among three volunteers."""
-    async with running(tmp_path, tile=16) as (co, queue, url):
-        before = await metric_values(url)
-        a, b = operands(rng, 48, 32, 16, False, False)
-        async with volunteers(url, [Behaviour(lie=True, capacity=3)]) as liar:
-            product = asyncio.ensure_future(queue.matmul(a, b, step=1, label="l0.fwd"))
-            await wait_until(lambda: liar[0].done >= 1)
-            async with volunteers(url, [Behaviour()] * 2) as crew:
-                await crew.finish(product)
-                c, d = operands(rng, 16, 16, 8, False, True)
-                await crew.finish(queue.matmul(c, d, trans_b=True, step=2, label="l0.dx"))
-        yield co, url, before, tmp_path / "project", liar[0]
 
 
 async def test_logs_validation_shows_the_forged_tile_with_its_reason(worked):

@@ -1,0 +1,162 @@
+"""Why work waits: a paused project, no volunteers, volunteers too small for the tiles, or
+too few of them for the validation policy.
+
+Checked once a second. A change is said once: a warning in the log when work starts to wait
+(an info line when it flows again) and a `wait` event (`waiting` or `flowing`), so that
+`tilehive status DIR` and `tilehive logs` see it as well as `/v1/status` and the dashboard;
+a host asking for work while it waits is told why in its reply's `note`."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import logging
+from dataclasses import dataclass
+
+from coordinator.rules.scheduler import memory_need, takes_replacement
+from coordinator.state.ledger import Ledger
+from coordinator.work.events import Event
+from coordinator.work.records import Outcome, ServerState, ValidateState
+
+log = logging.getLogger(__name__)
+
+CONNECTED_WITHIN = 60.0  # seconds since its last request for a host to count as connected
+SAMPLE = 256  # waiting results looked at: enough to tell, few enough for 10,000 hosts
+MB = 1 << 20
+
+
+@dataclass(frozen=True, slots=True)
+class Wait:
+    reason: str  # paused | no_volunteers | hosts_too_small | needs_hosts
+    message: str
+    tiles: int = 0  # results waiting to be sent
+    since: float = 0.0
+
+    def to_dict(self) -> dict:
+        return {
+            "reason": self.reason,
+            "message": self.message,
+            "tiles": self.tiles,
+            "since": self.since,
+        }
+
+
+def explain(ledger: Ledger, paused: bool, now: float) -> Wait | None:
+    """Why the unsent work is not going out, or None when it is (or there is none)."""
+    if paused:
+        return Wait(
+            "paused",
+            "the project is paused by its operator: no new work goes out "
+            "(tilehive admin resume URL --project DIR)",
+        )
+    if not ledger.unsent:
+        return None
+    hosts = [
+        h
+        for h in ledger.hosts.values()
+        if not h.quarantined and now - h.last_contact < CONNECTED_WITHIN
+    ]
+    waiting = len(ledger.unsent)
+    if not hosts:
+        return Wait(
+            "no_volunteers",
+            f"work waits for volunteers: none has asked for work in the last "
+            f"{CONNECTED_WITHIN:.0f}s (start one: tilehive volunteer start URL)",
+            waiting,
+        )
+    too_small = held = quorum = 0
+    need = 0
+    policy = ""
+    for result_id in itertools.islice(ledger.unsent, SAMPLE):
+        result = ledger.results.get(result_id)
+        wu = ledger.wus.get(result.wu_id) if result is not None else None
+        if wu is None or result.server_state is not ServerState.UNSENT:
+            continue
+        if wu.accelerated and _live(ledger.results_for(wu.id)) >= wu.min_quorum:
+            continue  # a tail's spare replica: wanted if a fast host is free, never waited for
+        wants = memory_need(wu, ledger.panel_bytes)
+        holders = ledger.hosts_of_wu.get(wu.id, set())
+        fits = False
+        for h in hosts:  # usually the first host settles it: with many, work flows
+            if h.max_memory_mb and wants > h.max_memory_mb * MB:
+                continue
+            fits = True
+            if h.id not in holders or takes_replacement(h, wu, ledger.results_for(wu.id)):
+                return None  # a connected host may take it: work flows
+        if not fits:
+            too_small += 1
+            need = max(need, wants)
+        else:
+            held += 1
+            quorum, policy = max(quorum, wu.min_quorum), wu.policy.value
+    if too_small >= held and too_small:
+        largest = max(h.max_memory_mb for h in hosts)
+        return Wait(
+            "hosts_too_small",
+            f"work waits for a larger volunteer: a tile needs {need / MB:.1f} MB and the "
+            f"largest connected volunteer offers {largest} MB for work (raise its "
+            "--max-memory, or lower the project's work.tile)",
+            waiting,
+        )
+    if held:
+        return Wait(
+            "needs_hosts",
+            f"work waits for another volunteer: the {policy} policy has each tile computed "
+            f"by {quorum} different volunteers and the {len(hosts)} connected already hold "
+            "theirs (start another volunteer; see README: volunteers per policy)",
+            waiting,
+        )
+    return None
+
+
+def _live(results) -> int:
+    """Replicas in progress, or reported and not found invalid."""
+    return sum(
+        1
+        for r in results
+        if r.server_state is ServerState.IN_PROGRESS
+        or (r.outcome is Outcome.SUCCESS and r.validate_state is not ValidateState.INVALID)
+    )
+
+
+class Waiting:
+    """The current reason work waits, said once per change."""
+
+    def __init__(self, ledger: Ledger, paused) -> None:
+        self.ledger = ledger
+        self.paused = paused  # the Coordinator's switch
+        self.current: Wait | None = None
+        self._seen: str | None = None  # the reason found by the previous look
+
+    def check(self, now: float) -> bool:
+        """Look again; True when the reason changed (and was logged). A new reason counts
+        once two looks in a row find it (a moment between two products is no wait); a
+        pause, the operator's own doing, and the end of a wait count at once."""
+        found = explain(self.ledger, self.paused(), now)
+        reason = found.reason if found is not None else None
+        seen, self._seen = self._seen, reason
+        before = self.current
+        if before is not None and found is not None and before.reason == found.reason:
+            # The same wait, perhaps with other counts: keep its start, say nothing again.
+            self.current = Wait(found.reason, found.message, found.tiles, before.since)
+            return False
+        if before is None and found is None:
+            return False
+        if found is not None and reason != seen and reason != "paused":
+            return False  # not sure yet: keep what was said
+        if found is not None:
+            self.current = Wait(found.reason, found.message, found.tiles, now)
+            log.warning("work waits: %s", found.message, extra={"reason": found.reason})
+            data = json.dumps({"reason": found.reason})
+            self.ledger.log([Event(now, "wait", "waiting", found.message, data=data)])
+        else:
+            self.current = None
+            message = f"work flows again (it waited {now - before.since:.0f}s: {before.reason})"
+            log.info(message)
+            self.ledger.log([Event(now, "wait", "flowing", message)])
+        return True
+
+    def note(self) -> str | None:
+        """What a host that got no work is told: why the project's work waits, if it does."""
+        current = self.current
+        return current.message if current is not None and current.reason != "paused" else None

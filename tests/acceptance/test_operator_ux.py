@@ -1,0 +1,256 @@
+"""What operators and volunteers see (issue 16): why work waits, the end of training, the
+figures after a restart, paused, the logs' limits, names, init's checks, the demo."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import pty
+import re
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+
+from coordinator.training import project as projects
+from tests.factories import SMALL, operands, running
+from tests.procs import (
+    ENV,
+    ROOT,
+    committed,
+    first_url,
+    poll,
+    start_coordinator,
+    start_volunteer,
+    tilehive,
+    volunteer_status,
+)
+from tests.volunteers import wait_until
+from volunteer.client import CoordinatorClient
+
+
+def test_init_refuses_a_corpus_path_that_does_not_exist(tmp_path):
+    result = tilehive("init", str(tmp_path / "p"), "--corpus", str(tmp_path / "no-such"))
+    assert result.returncode == 2
+    assert "--corpus" in result.stderr and "no such file or folder" in result.stderr
+    assert not (tmp_path / "p" / "project.toml").exists()
+    small = tmp_path / "small.txt"
+    small.write_text("hello\n")
+    result = tilehive("init", str(tmp_path / "q"), "--corpus", str(small))
+    assert result.returncode == 1 and "too small" in result.stderr
+    assert not (tmp_path / "q" / "project.toml").exists()
+
+
+# ---- items 1 and 2: why work waits; the end of training --------------------------------
+
+
+def status_of(target: str) -> dict:
+    result = tilehive("status", target, "--json")
+    assert result.returncode == 0, result.stderr
+    return json.loads(result.stdout)
+
+
+def test_one_volunteer_is_told_why_work_waits_and_a_finished_project_tells_them(tmp_path, reaper):
+    project = tmp_path / "project"
+    projects.create(project, **{**SMALL, "training.steps": 2, "work.tile": 16})
+    log = tmp_path / "coordinator.log"
+    coordinator = reaper(start_coordinator(project, "127.0.0.1:0", log))
+    url = first_url(coordinator)
+    before = status_of(url)["training"]
+    assert before["step"] == 0 and before["steps"] == 2  # "of 2", not "of ?"
+    first = reaper(start_volunteer(url, tmp_path / "v0"))
+    poll(
+        lambda: (status_of(url).get("waiting") or {}).get("reason") == "needs_hosts",
+        what="the coordinator to say work waits for another host",
+    )
+    lines = tilehive("status", url).stdout
+    assert "waiting:" in lines and "another volunteer" in lines and "quorum policy" in lines
+    assert "waiting:" in tilehive("status", str(project)).stdout
+    poll(
+        lambda: "another volunteer" in volunteer_status(tmp_path / "v0").get("note", ""),
+        what="the volunteer to say why it has no work",
+    )
+    second = reaper(start_volunteer(url, tmp_path / "v1"))
+    assert coordinator.wait(300) == 0
+    for volunteer, state_dir in ((first, tmp_path / "v0"), (second, tmp_path / "v1")):
+        assert volunteer.wait(60) == 0
+        assert volunteer_status(state_dir)["state"] == "finished"
+        assert volunteer_status(state_dir)["note"] == "project finished"
+        said = tilehive("volunteer", "status", "--state-dir", str(state_dir))
+        assert "is finished" in said.stdout
+    text = log.read_text()
+    assert text.count("work waits:") == 1 and text.count("work flows again") == 1
+    assert "told 2 volunteer(s) that the project is finished" in text
+    done = tilehive("status", str(project)).stdout
+    assert "step 2 of 2" in done and "training finished" in done and "ETA: done" in done
+
+
+# ---- item 5: the logs show the newest, say when they cut, refuse unknown states ------------
+
+
+async def test_logs_show_the_newest_and_say_when_they_cut(worked):
+    *_, project, _ = worked
+    everything = tilehive("logs", "validation", str(project), "--json", "--limit", "100000")
+    decisions = [json.loads(line) for line in everything.stdout.splitlines()]
+    assert len(decisions) > 3 and "showing the newest" not in everything.stderr
+    newest = tilehive("logs", "validation", str(project), "--json", "--limit", "3")
+    assert [json.loads(x)["id"] for x in newest.stdout.splitlines()] == [
+        d["id"] for d in decisions[-3:]
+    ]
+    assert f"showing the newest 3 of {len(decisions)} decisions" in newest.stderr
+    failures = tilehive("logs", "validation", str(project), "--failures", "--json")
+    states = {json.loads(x)["state"] for x in failures.stdout.splitlines()}
+    assert "invalid" in states and states <= {"invalid", "no_quorum"}
+    tasks = tilehive("logs", "tasks", str(project), "--limit", "2")
+    assert len(tasks.stdout.splitlines()) == 3  # the header and two work units
+    assert "showing the newest 2 of " in tasks.stderr and "--limit N for more" in tasks.stderr
+    for command in ("tasks", "validation"):
+        bad = tilehive("logs", command, str(project), "--state", "bogus")
+        assert bad.returncode == 2 and "'bogus' is not one of" in bad.stderr
+
+
+async def test_logs_follow_one_line_per_step(worked):
+    *_, project, _ = worked
+    follower = subprocess.Popen(
+        [sys.executable, "-m", "coordinator.cli", "logs", "tasks", str(project), "-f", "--by-step"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        cwd=ROOT,
+        env=ENV,
+    )
+    try:
+        while "one line per step" not in await asyncio.to_thread(follower.stderr.readline):
+            pass
+        # What the trainer appends when step 1 ends (the worked products were step 1's).
+        record = {"step": 1, "loss": 5.25, "seconds": 0.5, "time": 0}
+        with (project / "train.jsonl").open("a") as f:
+            f.write(json.dumps(record) + "\n")
+        line = await asyncio.wait_for(asyncio.to_thread(follower.stdout.readline), 30)
+        assert "step 1: loss 5.2500" in line and "work units (" in line
+        assert re.search(r"[1-9]\d* invalid results", line)
+    finally:
+        follower.kill()
+        follower.wait()
+        follower.stdout.close()
+        follower.stderr.close()
+
+
+# ---- item 7: names ------------------------------------------------------------------
+
+
+async def test_admin_quarantine_takes_a_name_and_refuses_an_ambiguous_one(worked):
+    co, url, _, project, _ = worked
+    names = [h.name for h in co.ledger.hosts.values()]
+    unique = next(n for n in names if names.count(n) == 1)
+    shared = next(n for n in names if names.count(n) > 1)  # v0: the liar and a crew member
+    host = next(h for h in co.ledger.hosts.values() if h.name == unique)
+    done = await asyncio.to_thread(
+        tilehive, "admin", "quarantine", url, unique, "--project", str(project)
+    )
+    assert done.returncode == 0 and f"host {host.id} ({unique}) quarantined" in done.stdout
+    assert co.ledger.hosts[host.id].quarantined
+    twice = await asyncio.to_thread(
+        tilehive, "admin", "release", url, shared, "--project", str(project)
+    )
+    assert twice.returncode == 1 and f"hosts are named {shared}: give the id" in twice.stderr
+    nobody = await asyncio.to_thread(
+        tilehive, "admin", "release", url, "nobody", "--project", str(project)
+    )
+    assert nobody.returncode == 1 and "404: no host named nobody" in nobody.stderr
+
+
+def test_two_volunteers_on_one_machine_get_two_default_names(tmp_path, reaper):
+    project = tmp_path / "project"
+    projects.create(project, **{**SMALL, "training.steps": 50, "work.tile": 16})
+    coordinator = reaper(start_coordinator(project, "127.0.0.1:0", tmp_path / "c.log"))
+    url = first_url(coordinator)
+    for name in ("alpha", "beta"):
+        reaper(start_volunteer(url, tmp_path / name))
+    names = lambda: sorted(n for (n,) in committed(project, "SELECT name FROM hosts"))  # noqa: E731
+    poll(lambda: len(names()) == 2, what="two registrations")
+    host = socket.gethostname()
+    assert names() == [f"{host}/alpha", f"{host}/beta"]
+    poll(lambda: volunteer_status(tmp_path / "alpha").get("tiles", 0) > 0, what="a tile")
+    line = tilehive("volunteer", "status", "--state-dir", str(tmp_path / "alpha")).stdout
+    assert "GFLOPS delivered (benchmark " in line
+
+
+# ---- item 6: the demo shows its dashboard ---------------------------------------------
+
+
+def test_the_demo_shows_its_dashboard_until_enter(tmp_path):
+    directory = tmp_path / "demo"
+    projects.create(directory, **{**SMALL, "training.steps": 2, "work.tile": 16})
+    controller, terminal = pty.openpty()  # a terminal on stdin: the demo waits for Enter
+    demo = subprocess.Popen(
+        [sys.executable, "-m", "coordinator.cli", "demo", "--volunteers", "2", "--dir", directory],
+        stdin=terminal,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        text=True,
+        cwd=ROOT,
+        env=ENV,
+    )
+    os.close(terminal)
+    try:
+        said = []
+        while not said or "press Enter to stop" not in said[-1]:
+            line = demo.stdout.readline()
+            assert line, "the demo ended before training was done: " + "".join(said)
+            said.append(line)
+        text = "".join(said)
+        url = re.search(r"dashboard: (http://\S+)/", text).group(1)
+        assert "each needs the one before" in text and "computing" in text
+        with urllib.request.urlopen(url + "/", timeout=10) as reply:
+            assert "Training finished: all 2 steps done" in reply.read().decode()
+        os.write(controller, b"\n")
+        assert demo.wait(60) == 0
+        rest = demo.stdout.read()
+        assert f"checkpoints: {directory / 'checkpoints'}" in rest
+    finally:
+        if demo.poll() is None:
+            demo.kill()
+            demo.wait()
+        demo.stdout.close()
+        os.close(controller)
+
+
+def test_the_demo_with_no_wait_stops_when_training_is_done(tmp_path):
+    directory = tmp_path / "demo"
+    projects.create(directory, **{**SMALL, "training.steps": 2, "work.tile": 16})
+    result = tilehive(
+        "demo", "--volunteers", "2", "--dir", str(directory), "--no-wait", timeout=300
+    )
+    assert result.returncode == 0, result.stderr
+    assert "dashboard: http://127.0.0.1:" in result.stdout
+    assert "press Enter" not in result.stdout
+
+
+async def test_work_waits_for_volunteers_then_for_a_larger_one(tmp_path, rng):
+    async with running(tmp_path, tile=16) as (co, queue, url):
+        a, b = operands(rng, 32, 32, 40_000, False, False)  # panels of 2.5 MB
+        product = asyncio.ensure_future(queue.matmul(a, b, step=1, label="wide"))
+        try:
+            await wait_until(lambda: co.ledger.unsent)
+            for _ in range(2):  # a reason counts once two looks agree
+                co.waiting.check(time.time())
+            assert co.waiting.current.reason == "no_volunteers"
+            assert "none has asked for work" in co.waiting.current.message
+            async with CoordinatorClient(url) as client:
+                await client.register("small", max_memory_mb=1)
+                reply = await client.request_work("r1", capacity=2, wait=False)
+                assert reply["assignments"] == [] and "raise --max-memory" in reply["note"]
+                for _ in range(2):
+                    co.waiting.check(time.time())
+                wait = co.waiting.current
+                assert wait.reason == "hosts_too_small" and "offers 1 MB" in wait.message
+                status = (await client.status())["waiting"]
+                assert status["reason"] == "hosts_too_small" and status["tiles"] > 0
+        finally:
+            product.cancel()
+            with contextlib.suppress(BaseException):
+                await product
