@@ -7,12 +7,16 @@ are assimilated as the validator decides them, and it finishes, fails or is canc
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import functools
+import gzip
+import json
 import logging
 import secrets
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 
@@ -44,6 +48,7 @@ log = logging.getLogger(__name__)
 STORAGE_RETRY_MAX = 30.0  # seconds between attempts to store operand panels, at most
 
 FILLED = (WuState.VALIDATED, WuState.ASSIMILATED)
+ARCHIVE = "events.jsonl.gz"  # the events of purged steps, under DIR/logs/
 
 
 class GemmFailed(RuntimeError):
@@ -355,7 +360,10 @@ class Products:
         return workunits, aborted
 
     async def prune(self, through_step: int) -> int:
-        """Delete the blobs of GEMMs a checkpoint made useless; returns how many."""
+        """A checkpoint at `through_step` made every earlier product useless: their blobs
+        are deleted, and their rows purged from the store after their events are archived
+        (DIR/logs/events.jsonl.gz), so the database stays bounded however long the project
+        runs. Returns how many blobs were deleted."""
         await self.ledger.flush()
         blobs = await self.store.prunable_blobs(through_step)
 
@@ -365,4 +373,18 @@ class Products:
                 self.ledger.panel_bytes.pop(blob, None)
 
         await asyncio.to_thread(delete)
+        events = await self.store.events_through(through_step)
+        if events:
+            # Archived before they are deleted: a crash in between archives some twice.
+            await asyncio.to_thread(archive, self.config.directory / "logs", events)
+        await self.store.purge(through_step)
         return len(blobs)
+
+
+def archive(folder: Path, events: list[Event]) -> None:
+    """Append events to folder/events.jsonl.gz, one JSON object a line (one gzip member
+    per call; gzip readers read the members one after another)."""
+    folder.mkdir(parents=True, exist_ok=True)
+    lines = "".join(json.dumps(dataclasses.asdict(e)) + "\n" for e in events)
+    with gzip.open(folder / ARCHIVE, "at", encoding="utf-8") as f:
+        f.write(lines)

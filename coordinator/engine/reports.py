@@ -91,12 +91,16 @@ class Reports:
     async def _report(self, host: Host, request: ReportRequest, now: float) -> dict:
         checked = []
         finished = []  # results of GEMMs already done and out of memory: nothing to apply
+        unknown: list[str] = []
         for entry in request.results:
             result = self.ledger.results.get(entry.result_id)
             if result is None:
                 result = await self.store.result(entry.result_id)
                 if result is None:
-                    raise NotFound(f"unknown result {entry.result_id}")
+                    # Purged with its step after a checkpoint, or never ours: nothing to
+                    # apply either way, and the rest of the report still counts.
+                    unknown.append(entry.result_id)
+                    continue
                 if result.host_id != host.id:
                     raise Forbidden(f"result {entry.result_id} is not assigned to host {host.id}")
                 finished.append(entry.result_id)
@@ -113,6 +117,9 @@ class Reports:
             ):
                 raise BadRequest(f"result {entry.result_id}: the assignment asked for the tile")
             checked.append((entry, result, wu, tile))
+        if unknown and len(unknown) == len(request.results):
+            raise NotFound(f"unknown result {unknown[0]}")
+        finished += unknown
         # Hashing and decoding megabytes of tiles is no work for the event loop.
         await asyncio.to_thread(
             lambda: [

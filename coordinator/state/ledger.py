@@ -200,5 +200,13 @@ class Ledger:
         """Commit everything queued so far (group commit: one transaction for many changes)."""
         async with self._lock:
             batch, self._batch = self._batch, Batch()
-            if batch:
-                await self.store.commit(batch)
+            if not batch:
+                return
+            commit = asyncio.ensure_future(self.store.commit(batch))
+            try:
+                await asyncio.shield(commit)
+            except asyncio.CancelledError:
+                # Cancelled while committing (a stop): what was decided must not be lost
+                # with the task, and the next commit must not start inside this one.
+                await commit
+                raise

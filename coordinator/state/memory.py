@@ -65,6 +65,7 @@ class MemoryStore(QueryStore):
             "results": {},
             "events": {},
             "work_replies": {},
+            "purged": {},
         }
         self.is_open = False
 
@@ -115,7 +116,7 @@ class MemoryStore(QueryStore):
 
     def insert_event_run(self, **row: Any) -> None:
         events = self.tables["events"]
-        number = len(events) + 1
+        number = max(events, default=0) + 1
         events[number] = {"id": number, **row}
 
     def insert_reply_run(self, **row: Any) -> None:
@@ -181,6 +182,7 @@ class MemoryStore(QueryStore):
 
     def count_workunits_by_state_run(self) -> list[Row]:
         counts = Counter(w["state"] for w in self.tables["workunits"].values())
+        counts.update({k: v for k, v in self.tables["purged"].items() if k != "invalid_results"})
         return [{"state": state, "n": n} for state, n in counts.items()]
 
     def _blobs(self, through_step: int, done_through: bool) -> list[Row]:
@@ -218,4 +220,45 @@ class MemoryStore(QueryStore):
 
     def count_invalid_results_run(self) -> list[Row]:
         invalid = sum(r["validate_state"] == "invalid" for r in self.tables["results"].values())
-        return [{"n": invalid}]
+        return [{"n": invalid + self.tables["purged"].get("invalid_results", 0)}]
+
+    def select_events_through_step_run(self, step: int) -> list[Row]:
+        return [e for e in self.tables["events"].values() if _through(e, step)]
+
+    def add_purged_workunits_run(self, step: int) -> None:
+        purged = self.tables["purged"]
+        for w in self.tables["workunits"].values():
+            if w["step"] <= step:
+                purged[w["state"]] = purged.get(w["state"], 0) + 1
+
+    def add_purged_invalid_run(self, step: int) -> None:
+        wus = self.tables["workunits"]
+        invalid = sum(
+            1
+            for r in self.tables["results"].values()
+            if wus[r["wu_id"]]["step"] <= step and r["validate_state"] == "invalid"
+        )
+        purged = self.tables["purged"]
+        purged["invalid_results"] = purged.get("invalid_results", 0) + invalid
+
+    def delete_results_through_step_run(self, step: int) -> None:
+        wus = self.tables["workunits"]
+        self._delete("results", lambda r: wus[r["wu_id"]]["step"] <= step)
+
+    def delete_workunits_through_step_run(self, step: int) -> None:
+        self._delete("workunits", lambda w: w["step"] <= step)
+
+    def delete_gemms_through_step_run(self, step: int) -> None:
+        self._delete("gemms", lambda g: g["step"] <= step)
+
+    def delete_events_through_step_run(self, step: int) -> None:
+        self._delete("events", lambda e: _through(e, step))
+
+    def _delete(self, table: str, doomed) -> None:
+        rows = self.tables[table]
+        for key in [k for k, row in rows.items() if doomed(row)]:
+            del rows[key]
+
+
+def _through(event: dict[str, Any], step: int) -> bool:
+    return event["step"] is not None and event["step"] <= step

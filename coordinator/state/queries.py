@@ -197,6 +197,23 @@ class QueryStore(Store):
         await self._execute("mark_gemms_pruned", step=through_step)
         return old - live
 
+    async def events_through(self, step: int) -> list[Event]:
+        rows = await self._query("select_events_through_step", step=step)
+        return [Event(**dict(r)) for r in rows]
+
+    async def purge(self, through_step: int) -> None:
+        step = [{"step": through_step}]
+        await self._transaction(
+            [
+                ("add_purged_workunits", step),
+                ("add_purged_invalid", step),
+                ("delete_results_through_step", step),
+                ("delete_workunits_through_step", step),
+                ("delete_gemms_through_step", step),
+                ("delete_events_through_step", step),
+            ]
+        )
+
     async def recent_events(self, kind: str, state: str, limit: int) -> list[Event]:
         rows = await self._query("select_recent_events", kind=kind, state=state, limit=limit)
         return [Event(**dict(r)) for r in rows]

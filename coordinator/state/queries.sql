@@ -106,7 +106,10 @@ WHERE id > :after
 ORDER BY id LIMIT :limit;
 
 -- name: count_workunits_by_state
-SELECT state, COUNT(*) AS n FROM workunits GROUP BY state;
+SELECT state, SUM(n) AS n FROM (
+    SELECT state, COUNT(*) AS n FROM workunits GROUP BY state
+    UNION ALL SELECT what AS state, n FROM purged WHERE what != 'invalid_results'
+) GROUP BY state;
 
 -- name: select_blobs_through_step
 SELECT a_panel AS blob FROM workunits JOIN gemms ON workunits.gemm_id = gemms.id
@@ -133,7 +136,8 @@ UPDATE gemms SET state = 'pruned' WHERE step <= :step AND state = 'done';
 SELECT * FROM events WHERE kind = :kind AND state = :state ORDER BY id DESC LIMIT :limit;
 
 -- name: count_invalid_results
-SELECT COUNT(*) AS n FROM results WHERE validate_state = 'invalid';
+SELECT (SELECT COUNT(*) FROM results WHERE validate_state = 'invalid')
+     + COALESCE((SELECT n FROM purged WHERE what = 'invalid_results'), 0) AS n;
 
 -- Read-only queries: reader.py, for `tilehive logs`, `tilehive status` and the demo summary.
 
@@ -212,3 +216,29 @@ WHERE (:step IS NULL OR w.step = :step)
 SELECT * FROM events
 WHERE kind = :kind AND state IN (SELECT value FROM json_each(:states))
 ORDER BY id DESC LIMIT 1;
+
+-- name: select_events_through_step
+SELECT * FROM events WHERE step <= :step ORDER BY id;
+
+-- name: add_purged_workunits
+INSERT INTO purged (what, n)
+SELECT state, COUNT(*) FROM workunits WHERE step <= :step GROUP BY state
+ON CONFLICT(what) DO UPDATE SET n = n + excluded.n;
+
+-- name: add_purged_invalid
+INSERT INTO purged (what, n)
+SELECT 'invalid_results', COUNT(*) FROM results JOIN workunits ON results.wu_id = workunits.id
+WHERE workunits.step <= :step AND results.validate_state = 'invalid'
+ON CONFLICT(what) DO UPDATE SET n = n + excluded.n;
+
+-- name: delete_results_through_step
+DELETE FROM results WHERE wu_id IN (SELECT id FROM workunits WHERE step <= :step);
+
+-- name: delete_workunits_through_step
+DELETE FROM workunits WHERE step <= :step;
+
+-- name: delete_gemms_through_step
+DELETE FROM gemms WHERE step <= :step;
+
+-- name: delete_events_through_step
+DELETE FROM events WHERE step <= :step;

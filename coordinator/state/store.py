@@ -116,6 +116,16 @@ class Store(abc.ABC):
         pruned (their records stay for the logs)."""
 
     @abc.abstractmethod
+    async def events_through(self, step: int) -> list[Event]:
+        """The events of steps <= step, oldest first (what a purge would delete)."""
+
+    @abc.abstractmethod
+    async def purge(self, through_step: int) -> None:
+        """Delete the GEMMs, work units, results and events of steps <= through_step (a
+        checkpoint made them useless), keeping the project's totals. All of it or, if the
+        process dies, none."""
+
+    @abc.abstractmethod
     async def recent_events(self, kind: str, state: str, limit: int) -> list[Event]:
         """The newest events of a kind and state, newest first."""
 

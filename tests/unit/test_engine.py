@@ -6,6 +6,9 @@ engine's own behaviour (publish, assign, report, validate, assimilate, prune).""
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import gzip
+import json
 import time
 
 import msgpack
@@ -207,3 +210,61 @@ async def test_an_active_product_whose_blobs_a_power_cut_took_is_run_again(tmp_p
     finally:
         await again.stop()
     np.testing.assert_array_equal(bits(result), bits(kernels.gemm(a, b)))
+
+
+async def test_a_commit_cancelled_half_way_still_lands(tmp_path):
+    """A stop cancels the passes, maybe while they commit: what they decided is committed
+    all the same, never dropped with the cancelled task."""
+    from coordinator.state.ledger import Ledger
+    from coordinator.work.events import Event
+
+    store = MemoryStore()
+    entered, release = asyncio.Event(), asyncio.Event()
+    commit = store.commit
+
+    async def slow_commit(batch):
+        entered.set()
+        await release.wait()
+        await commit(batch)
+
+    store.commit = slow_commit
+    ledger = Ledger(store)
+    ledger.log([Event(1.0, "gemm", "failed", "decided just before the stop")])
+    flushing = asyncio.create_task(ledger.flush())
+    await entered.wait()
+    flushing.cancel()
+    release.set()
+    with contextlib.suppress(asyncio.CancelledError):
+        await flushing
+    assert [e.message for e in await store.events()] == ["decided just before the stop"]
+
+
+async def test_a_checkpoint_purges_earlier_steps_and_archives_their_events(tmp_path, rng):
+    """After a checkpoint the rows of earlier steps go (the database stays bounded however
+    long a project runs); their events go to DIR/logs/events.jsonl.gz first, and the
+    project's totals stay whole."""
+    config = CoordinatorConfig(directory=tmp_path, tile=16, policy=Policy.QUORUM, seed=1)
+    co = Coordinator(config, MemoryStore())
+    await co.start()
+    stop = asyncio.Event()
+    hosts = [asyncio.create_task(honest_host(co, f"h{i}", stop)) for i in range(2)]
+    try:
+        for step in (1, 2, 3):
+            a, b = operands(rng, 32, 16, 8, False, False)
+            await asyncio.wait_for(co.products.matmul(a, b, step=step), 30)
+        await co.ledger.flush()
+        totals = await co.store.workunit_counts()
+        await co.products.prune(2)
+    finally:
+        stop.set()
+        await asyncio.gather(*hosts)
+        await co.stop()
+    store = co.store
+    assert {w["step"] for w in store.tables["workunits"].values()} == {3}
+    assert {g["step"] for g in store.tables["gemms"].values()} == {3}
+    assert await store.events_through(2) == []
+    assert await store.workunit_counts() == totals == {"assimilated": 6}
+    with gzip.open(tmp_path / "logs" / "events.jsonl.gz", "rt") as f:
+        archived = [json.loads(line) for line in f]
+    assert {e["step"] for e in archived} == {1, 2}
+    assert any(e["kind"] == "validation" and e["state"] == "valid" for e in archived)
