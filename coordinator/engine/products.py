@@ -86,6 +86,7 @@ class Products:
         self.blobs = blobs
         self.outputs: dict[str, GemmOutput] = {}
         self.failed_here: set[str] = set()  # GEMMs that failed in this run: not retried
+        self.checkpointed: int | None = None  # the step of the last checkpoint in this run
         self.tiles: dict[str, np.ndarray] = {}  # tiles just checked, by hash: no second read
         # Set by the Coordinator: judge a GEMM's late replicas before it leaves memory, and
         # tell the passes that new work is out.
@@ -373,11 +374,15 @@ class Products:
                 self.ledger.panel_bytes.pop(blob, None)
 
         await asyncio.to_thread(delete)
-        events = await self.store.events_through(through_step)
-        if events:
-            # Archived before they are deleted: a crash in between archives some twice.
-            await asyncio.to_thread(archive, self.config.directory / "logs", events)
-        await self.store.purge(through_step)
+        # Rows are purged one checkpoint behind: the last interval's decisions stay for
+        # `tilehive logs`, and a slow host's late report of them is still recognised.
+        previous, self.checkpointed = self.checkpointed, through_step
+        if previous is not None:
+            events = await self.store.events_through(previous)
+            if events:
+                # Archived before they are deleted: a crash in between archives some twice.
+                await asyncio.to_thread(archive, self.config.directory / "logs", events)
+            await self.store.purge(previous)
         return len(blobs)
 
 
