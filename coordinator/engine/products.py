@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import enum
 import functools
 import gzip
 import json
@@ -48,7 +49,10 @@ log = logging.getLogger(__name__)
 STORAGE_RETRY_MAX = 30.0  # seconds between attempts to store operand panels, at most
 
 FILLED = (WuState.VALIDATED, WuState.ASSIMILATED)
-ARCHIVE = "events.jsonl.gz"  # the events of purged steps, under DIR/logs/
+# Under DIR/logs/: the events and the work units (with their canonical tiles' hashes) of
+# purged steps.
+EVENTS_ARCHIVE = "events.jsonl.gz"
+WORKUNITS_ARCHIVE = "workunits.jsonl.gz"
 
 
 class GemmFailed(RuntimeError):
@@ -379,17 +383,25 @@ class Products:
         previous, self.checkpointed = self.checkpointed, through_step
         if previous is not None:
             events = await self.store.events_through(previous)
-            if events:
-                # Archived before they are deleted: a crash in between archives some twice.
-                await asyncio.to_thread(archive, self.config.directory / "logs", events)
+            workunits = await self.store.workunits_through(previous)
+            # Archived before they are deleted: a crash in between archives some twice.
+            folder = self.config.directory / "logs"
+            await asyncio.to_thread(archive, folder / EVENTS_ARCHIVE, events)
+            await asyncio.to_thread(archive, folder / WORKUNITS_ARCHIVE, workunits)
             await self.store.purge(previous)
         return len(blobs)
 
 
-def archive(folder: Path, events: list[Event]) -> None:
-    """Append events to folder/events.jsonl.gz, one JSON object a line (one gzip member
-    per call; gzip readers read the members one after another)."""
-    folder.mkdir(parents=True, exist_ok=True)
-    lines = "".join(json.dumps(dataclasses.asdict(e)) + "\n" for e in events)
-    with gzip.open(folder / ARCHIVE, "at", encoding="utf-8") as f:
+def archive(path: Path, records: list) -> None:
+    """Append records to a gzip file of JSON lines, one object a line (one gzip member per
+    call; gzip readers read the members one after another)."""
+    if not records:
+        return
+    path.parent.mkdir(parents=True, exist_ok=True)
+    lines = "".join(json.dumps(_plain(dataclasses.asdict(r))) + "\n" for r in records)
+    with gzip.open(path, "at", encoding="utf-8") as f:
         f.write(lines)
+
+
+def _plain(record: dict) -> dict:
+    return {k: (v.value if isinstance(v, enum.Enum) else v) for k, v in record.items()}

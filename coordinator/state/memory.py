@@ -225,6 +225,10 @@ class MemoryStore(QueryStore):
     def select_events_through_step_run(self, step: int) -> list[Row]:
         return [e for e in self.tables["events"].values() if _through(e, step)]
 
+    def select_workunits_through_step_run(self, step: int) -> list[Row]:
+        rows = [w for w in self.tables["workunits"].values() if w["step"] <= step]
+        return sorted(rows, key=lambda w: (w["step"], w["gemm_id"], w["i0"], w["j0"]))
+
     def add_purged_workunits_run(self, step: int) -> None:
         purged = self.tables["purged"]
         for w in self.tables["workunits"].values():

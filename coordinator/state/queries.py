@@ -201,6 +201,10 @@ class QueryStore(Store):
         rows = await self._query("select_events_through_step", step=step)
         return [Event(**dict(r)) for r in rows]
 
+    async def workunits_through(self, step: int) -> list[WorkUnit]:
+        rows = await self._query("select_workunits_through_step", step=step)
+        return [to_workunit(r) for r in rows]
+
     async def purge(self, through_step: int) -> None:
         step = [{"step": through_step}]
         await self._transaction(

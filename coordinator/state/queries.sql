@@ -220,6 +220,9 @@ ORDER BY id DESC LIMIT 1;
 -- name: select_events_through_step
 SELECT * FROM events WHERE step <= :step ORDER BY id;
 
+-- name: select_workunits_through_step
+SELECT * FROM workunits WHERE step <= :step ORDER BY step, gemm_id, i0, j0;
+
 -- name: add_purged_workunits
 INSERT INTO purged (what, n)
 SELECT state, COUNT(*) FROM workunits WHERE step <= :step GROUP BY state

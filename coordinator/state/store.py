@@ -120,6 +120,10 @@ class Store(abc.ABC):
         """The events of steps <= step, oldest first (what a purge would delete)."""
 
     @abc.abstractmethod
+    async def workunits_through(self, step: int) -> list[WorkUnit]:
+        """The work units of steps <= step (what a purge would delete)."""
+
+    @abc.abstractmethod
     async def purge(self, through_step: int) -> None:
         """Delete the GEMMs, work units, results and events of steps <= through_step (a
         checkpoint made them useless), keeping the project's totals. All of it or, if the

@@ -6,6 +6,7 @@ import array
 import asyncio
 import contextlib
 import fcntl
+import gzip
 import itertools
 import json
 import os
@@ -73,13 +74,21 @@ def losses(directory: Path) -> dict[int, float]:
 
 
 def decided(directory: Path, step: int | None = None) -> dict[str, str]:
-    """Committed work units with a canonical tile: id -> canonical hash."""
+    """Committed work units with a canonical tile: id -> canonical hash, those that a
+    checkpoint purged from the database (from their archive) included."""
     where = "" if step is None else f" AND step = {step}"
     rows = committed(
         directory,
         "SELECT id, canonical_hash FROM workunits "
         f"WHERE state IN ('validated', 'assimilated'){where}",
     )
+    archived = directory / "logs" / "workunits.jsonl.gz"
+    if archived.exists():
+        with gzip.open(archived, "rt") as f:
+            for line in f:
+                wu = json.loads(line)
+                if wu["state"] in ("validated", "assimilated") and step in (None, wu["step"]):
+                    rows.append((wu["id"], wu["canonical_hash"]))
     return dict(rows)
 
 
