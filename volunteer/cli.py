@@ -261,6 +261,56 @@ def status_line(s: dict[str, Any]) -> str:
     )
 
 
+@volunteer.command("install-service")
+@click.argument("url", envvar="TILEHIVE_URL")
+@option("--threads", type=click.IntRange(min=1), default=default_threads, show_default="cores - 1")
+@option(
+    "--max-memory",
+    type=click.IntRange(min=1),
+    default=200,
+    show_default=True,
+    help="Peak memory in MB; the unit's MemoryMax is this plus 100.",
+)
+@state_dir_option
+@option(
+    "--unit",
+    "unit_path",
+    type=click.Path(dir_okay=False, path_type=Path),
+    default=None,
+    help="Write the unit here (default: ~/.config/systemd/user/tilehive-volunteer.service).",
+)
+@option("--print", "print_only", is_flag=True, help="Print the unit instead of writing it.")
+def install_service(
+    url: str,
+    threads: int,
+    max_memory: int,
+    state_dir: Path,
+    unit_path: Path | None,
+    print_only: bool,
+) -> None:
+    """Write a systemd user unit that runs this volunteer at idle priority: ExecStart points
+    at this installation's tilehive; Nice=19, CPU and I/O scheduling idle, MemoryMax."""
+    from volunteer.service import unit, user_unit_path
+
+    text = unit(url, state_dir, threads, max_memory)
+    if print_only:
+        click.echo(text, nl=False)
+        return
+    target = unit_path or user_unit_path()
+    try:
+        target.parent.mkdir(parents=True, exist_ok=True)
+        target.write_text(text)
+    except OSError as exc:
+        raise click.ClickException(f"cannot write {target}: {exc.strerror}") from exc
+    click.echo(f"wrote {target}")
+    if unit_path is None:
+        click.echo(
+            "now: systemctl --user daemon-reload && "
+            "systemctl --user enable --now tilehive-volunteer\n"
+            "     loginctl enable-linger $USER   # keep it running when you are logged out"
+        )
+
+
 @volunteer.command()
 @state_dir_option
 @option(

@@ -1,0 +1,58 @@
+"""`tilehive volunteer install-service`: a systemd user unit that runs this installation's
+volunteer at idle priority within its memory."""
+
+from __future__ import annotations
+
+import shlex
+import subprocess
+
+from tests.procs import tilehive
+
+
+def test_the_unit_runs_this_installations_volunteer_at_idle_priority(tmp_path):
+    unit = tmp_path / "units" / "tilehive-volunteer.service"
+    state = tmp_path / "state"
+    done = tilehive(
+        "volunteer",
+        "install-service",
+        "http://coordinator.example:8470",
+        "--unit",
+        str(unit),
+        "--state-dir",
+        str(state),
+        "--max-memory",
+        "300",
+        "--threads",
+        "1",
+    )
+    assert done.returncode == 0, done.stderr
+    assert f"wrote {unit}" in done.stdout
+    lines = dict(
+        line.split("=", 1)
+        for line in unit.read_text().splitlines()
+        if "=" in line and line[0] != "#"
+    )
+    assert (lines["Nice"], lines["CPUSchedulingPolicy"], lines["IOSchedulingClass"]) == (
+        "19",
+        "idle",
+        "idle",
+    )
+    assert lines["MemoryMax"] == "400M"  # --max-memory and the interpreter's share
+    command = shlex.split(lines["ExecStart"])
+    assert command[command.index("--state-dir") + 1] == str(state.resolve())
+    start = command.index("start")
+    assert command[start + 1] == "http://coordinator.example:8470"
+    assert command[command.index("--max-memory") + 1] == "300"
+    # ExecStart names a tilehive that exists and runs, wherever this one is installed.
+    program = command[: command.index("volunteer")]
+    ran = subprocess.run([*program, "volunteer", "start", "--help"], capture_output=True, text=True)
+    assert ran.returncode == 0 and "--max-memory" in ran.stdout
+
+
+def test_print_shows_the_unit_and_writes_nothing(tmp_path):
+    done = tilehive(
+        "volunteer", "install-service", "http://h:1", "--print", "--state-dir", str(tmp_path / "s")
+    )
+    assert done.returncode == 0
+    assert "[Service]" in done.stdout and "ExecStart=" in done.stdout
+    assert not (tmp_path / "s").exists()

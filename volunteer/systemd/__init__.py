@@ -1,0 +1,1 @@
+"""The volunteer's systemd unit, shipped as a file."""
