@@ -17,12 +17,12 @@ from typing import Any
 
 import click
 
+from volunteer.address import NotACoordinator, check_url
 from volunteer.daemon import NotEnoughMemory, Volunteer, VolunteerConfig, default_threads
 from volunteer.emulator import (
     DEFAULT_REAL_FLOPS,
     CoordinatorUnreachable,
     EmulationReport,
-    check_url,
     default_connections,
     hints,
     raise_file_limit,
@@ -128,10 +128,12 @@ def start(
     log_format: str,
 ) -> None:
     """Pull work from the coordinator at URL, compute it and send it back."""
-    if not url.startswith(("http://", "https://")):
-        raise click.BadParameter(f"{url!r} is not an http:// or https:// URL", param_hint="URL")
+    try:
+        url = check_url(url)
+    except ValueError as exc:
+        raise click.ClickException(str(exc)) from None
     config = VolunteerConfig(
-        url=url.rstrip("/"),
+        url=url,
         state_dir=state_dir,
         threads=threads,
         max_memory_mb=max_memory,
@@ -210,7 +212,13 @@ def _run(config: VolunteerConfig, state: StateDir, report: int | None) -> None:
         if report is not None:
             os.write(report, f"ok {os.getpid()}".encode())
             os.close(report)
-        asyncio.run(_serve(worker, state, interactive=report is None and sys.stdout.isatty()))
+        try:
+            asyncio.run(_serve(worker, state, interactive=report is None and sys.stdout.isatty()))
+        except NotACoordinator as exc:  # said once: on stderr, or in the daemon's log
+            if report is None:
+                raise click.ClickException(str(exc)) from None
+            log.error("%s", exc)
+            raise SystemExit(1) from None
     finally:
         state.release(lock)
 

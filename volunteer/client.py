@@ -9,8 +9,11 @@ import msgpack
 import numpy as np
 
 import kernels
+from volunteer.address import not_tilehive
 
 CONTENT_TYPE = "application/msgpack"
+BAD_REPLY = "bad_reply"  # a busy or failing server's reply that is not msgpack (a proxy's)
+NOT_TILEHIVE = "not_tilehive"  # any other reply in no tilehive coordinator's words
 
 
 class ServerRefused(Exception):
@@ -72,17 +75,20 @@ class CoordinatorClient:
     async def _post(self, path: str, message: dict[str, Any]) -> dict[str, Any]:
         body = msgpack.packb(message, use_bin_type=True)
         async with self.session.post(self.url + path, data=body, headers=self._headers()) as resp:
-            payload = await resp.read()
-            return self._decode(resp.status, payload, resp.headers.get("Retry-After"))
+            return self._decode(resp, await resp.read(), f"POST {path}")
 
-    @staticmethod
-    def _decode(status: int, payload: bytes, retry_after: str | None = None) -> dict[str, Any]:
+    def _decode(self, resp: aiohttp.ClientResponse, payload: bytes, request: str) -> dict[str, Any]:
+        status, retry_after = resp.status, resp.headers.get("Retry-After")
         try:
             message = msgpack.unpackb(payload, raw=False)
-        except Exception as exc:
-            raise ServerRefused(status, "bad_reply", f"reply is not msgpack: {exc}") from exc
+        except Exception:
+            message = None
         if not isinstance(message, dict):
-            raise ServerRefused(status, "bad_reply", "reply is not a msgpack map")
+            if status >= 500 or status in (408, 429):  # a proxy's word on a coordinator down
+                raise ServerRefused(status, BAD_REPLY, f"reply to {request} is not msgpack")
+            # Another web server: the session decides whether to believe it (NotACoordinator).
+            why = not_tilehive(self.url, request, status, resp.content_type, payload)
+            raise ServerRefused(status, NOT_TILEHIVE, why)
         if status >= 400:
             try:
                 wait = float(retry_after) if retry_after else 0.0
@@ -141,7 +147,7 @@ class CoordinatorClient:
             f"{self.url}/v1/blobs/{blob_id}", headers=self._headers()
         ) as resp:
             if resp.status >= 400:
-                self._decode(resp.status, await resp.read(), resp.headers.get("Retry-After"))
+                self._decode(resp, await resp.read(), "GET /v1/blobs")
             data = bytearray()
             async for chunk in resp.content.iter_chunked(1 << 16):
                 data += chunk

@@ -16,6 +16,7 @@ from typing import Any
 import numpy as np
 
 import kernels
+from volunteer.address import NotACoordinator
 from volunteer.backoff import Backoff
 from volunteer.cache import BlobCache
 from volunteer.client import CoordinatorClient, compute_tile
@@ -123,17 +124,24 @@ class Volunteer(PullLoop):
         )
 
     async def run(self, stop: asyncio.Event) -> None:
-        """Work until `stop` is set; then finish or abandon the current tile and report."""
+        """Work until `stop` is set; then finish or abandon the current tile and report.
+        Raises NotACoordinator (after that) if something else answers at the URL."""
+        stranger: NotACoordinator | None = None
         try:
             await self.session(stop)
         except (Quarantined, ProjectFinished):
             stop.set()
+        except NotACoordinator as exc:
+            stop.set()
+            stranger = exc
         try:
             await self.leave(graceful=True, timeout=self.config.stop_timeout)
         finally:
             if self.state != "finished":
                 self.state = "stopped"
             await self.client.close()
+        if stranger is not None:
+            raise stranger
 
     # ---- the primitives: real sockets, real threads ---------------------------------------
 

@@ -25,7 +25,6 @@ from collections.abc import Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from typing import Any, TypeVar
-from urllib.parse import urlsplit
 
 import aiohttp
 import numpy as np
@@ -689,19 +688,6 @@ async def run_emulation(
             await asyncio.gather(*helpers, *slots, return_exceptions=True)
             emulation.pool.shutdown(wait=True, cancel_futures=True)
         return emulation.report()
-
-
-def check_url(url: str) -> None:
-    """ValueError unless `url` is an http(s) URL with a host (and a valid port, if any)."""
-    try:
-        parts = urlsplit(url)
-        port = parts.port
-    except ValueError as exc:
-        raise ValueError(f"{url!r} is not a valid URL: {exc}") from None
-    if parts.scheme not in ("http", "https") or not parts.hostname:
-        raise ValueError(f"{url!r} is not an http:// or https:// URL with a host")
-    if port == 0:
-        raise ValueError(f"{url!r} has port 0")
 
 
 def default_connections(hosts: int) -> int:

@@ -3,7 +3,9 @@
 The outer loop of every volunteer (volunteer/loop.py adds the work it does in each cycle):
 register when it has no token, and survive the coordinator's failures the way BOINC's
 client does: back off with jitter while it is unreachable or busy, register again when it
-no longer knows us, and stop asking for good when it refuses this host (403).
+no longer knows us, and stop asking for good when it refuses this host (403). A URL where
+something else answers (another web server, TLS on the wrong side) ends the session too, if
+no coordinator has answered there yet: retrying it would never end.
 """
 
 from __future__ import annotations
@@ -18,8 +20,9 @@ from typing import TypeVar
 
 import aiohttp
 
+from volunteer.address import NotACoordinator, stranger
 from volunteer.backoff import Backoff
-from volunteer.client import CoordinatorClient, ServerRefused
+from volunteer.client import BAD_REPLY, NOT_TILEHIVE, CoordinatorClient, ServerRefused
 
 log = logging.getLogger(__name__)
 
@@ -60,6 +63,7 @@ class CoordinatorSession:
         self.host_id: int | None = None
         self.state = "starting"
         self.note = ""  # what the volunteer is doing or waiting for
+        self.heard = False  # a coordinator has answered at the URL, in its own words
 
     async def _cycle(self, stop: asyncio.Event) -> None:
         """One round of work."""
@@ -88,7 +92,8 @@ class CoordinatorSession:
 
     async def session(self, stop: asyncio.Event, until: float = math.inf) -> None:
         """Work until `stop` is set or the monotonic time `until`. Raises Quarantined, or
-        ProjectFinished when the coordinator says there will be no more work."""
+        ProjectFinished when the coordinator says there will be no more work, and
+        NotACoordinator before a coordinator has answered."""
         while not stop.is_set() and time.monotonic() < until:
             endpoint = "register"
             try:
@@ -102,8 +107,12 @@ class CoordinatorSession:
                 self.log.info("%s; stopping", exc)
                 raise
             except ServerRefused as exc:
+                if not self.heard and exc.code == NOT_TILEHIVE:
+                    self._stranger(getattr(exc, "endpoint", endpoint), exc, exc.message)
                 await self._refused(getattr(exc, "endpoint", endpoint), exc, stop)
             except TRANSIENT as exc:
+                if not self.heard and (why := await stranger(self.client.url, exc)):
+                    self._stranger(getattr(exc, "endpoint", endpoint), exc, why)
                 self._failed(getattr(exc, "endpoint", endpoint), exc)
                 delay = self.backoff.next_delay()
                 self.state = "offline"
@@ -113,12 +122,25 @@ class CoordinatorSession:
                 self.log.warning(self.note)
                 await wait(stop, delay)
 
+    def _stranger(self, endpoint: str, exc: BaseException, why: str) -> None:
+        """Something other than a coordinator answers at the URL: end the session."""
+        self._failed(endpoint, exc)
+        self.state = "refused"
+        self.note = why
+        raise NotACoordinator(why) from exc
+
     async def _call(self, endpoint: str, call: Callable[[], Awaitable[T]], *, up: int = 0) -> T:
         try:
-            return await self._request(endpoint, call, up)
-        except Exception as exc:
+            reply = await self._request(endpoint, call, up)
+        except ServerRefused as exc:
             exc.endpoint = endpoint  # the call that failed, wherever the error surfaces
+            self.heard = self.heard or exc.code not in (NOT_TILEHIVE, BAD_REPLY)
             raise
+        except Exception as exc:
+            exc.endpoint = endpoint
+            raise
+        self.heard = True
+        return reply
 
     async def _refused(self, endpoint: str, exc: ServerRefused, stop: asyncio.Event) -> None:
         if exc.status == 403:

@@ -11,6 +11,7 @@ import click
 import numpy as np
 
 import kernels
+from coordinator.cli import remote
 from coordinator.state.integrity import DamagedState
 from coordinator.state.lock import ProjectBusy, ProjectLock
 from coordinator.training.corpus import CorpusError
@@ -535,14 +536,9 @@ def logs_validation(directory, step, host, since, follow, failures, as_json, sta
 def status(target: str, as_json: bool) -> None:
     """How far training is: from a project directory, or a running coordinator's URL."""
     import json
-    import urllib.request
 
-    if target.startswith(("http://", "https://")):
-        try:
-            with urllib.request.urlopen(target.rstrip("/") + "/v1/status", timeout=10) as reply:
-                summary = json.load(reply)
-        except OSError as exc:
-            raise click.ClickException(f"cannot reach {target}: {exc}") from exc
+    if "://" in target:
+        summary = remote.status(target)
         where = target
     else:
         view = _view(Path(target))
@@ -633,23 +629,21 @@ def _admin_call(url: str, path: str, project_dir: Path | None, admin_token: str 
             admin_token = (project_dir / "admin.token").read_text().strip()
         except OSError as exc:
             raise click.ClickException(f"cannot read {project_dir / 'admin.token'}: {exc}") from exc
+    url = remote.url_of(url)
     request = urllib.request.Request(
-        url.rstrip("/") + path,
+        url + path,
         data=msgpack.packb({}),
         method="POST",
         headers={"Authorization": f"Bearer {admin_token}", "Content-Type": "application/msgpack"},
     )
     try:
         with urllib.request.urlopen(request, timeout=30) as reply:
-            return msgpack.unpackb(reply.read())
+            answer = reply.status, reply.headers.get_content_type(), reply.read()
     except urllib.error.HTTPError as exc:
-        try:
-            detail = msgpack.unpackb(exc.read()).get("message", "")
-        except Exception:
-            detail = exc.reason
-        raise click.ClickException(f"{exc.code}: {detail}") from exc
+        answer = exc.code, exc.headers.get_content_type(), exc.read()
     except OSError as exc:
-        raise click.ClickException(f"cannot reach {url}: {exc}") from exc
+        raise remote.unreachable(url, exc) from None
+    return remote.admin_reply(url, f"POST {path}", *answer)
 
 
 @admin.command()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import tomllib
 from dataclasses import dataclass, field
@@ -305,7 +306,14 @@ def create(directory: Path | str, **overrides: Any) -> Project:
         project = dataclasses.replace(project, **{section: part})
     text = render(project)
     parse(directory, text)  # the same checks as loading it later
-    directory.mkdir(parents=True, exist_ok=True)
-    path.write_text(text)
-    admin_token(directory)  # made now, so the operator can read it before the first start
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+        path.write_text(text)
+        admin_token(directory)  # made now, so the operator can read it before the first start
+    except OSError as exc:  # a file where a folder should be, no permission, a full disk
+        with contextlib.suppress(OSError):
+            path.unlink()  # no half-written project.toml to refuse the next try
+        raise ProjectError(
+            f"cannot create {exc.filename or directory}: {exc.strerror or exc}"
+        ) from None
     return project

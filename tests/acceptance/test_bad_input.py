@@ -1,0 +1,268 @@
+"""Bad input from the command line or the network is one clear line, never a traceback or a
+volunteer retrying for ever (issue 15, item 8): malformed URLs, URLs where another web
+server answers, TLS on the wrong side, a project path through a file."""
+
+from __future__ import annotations
+
+import http.server
+import json
+import os
+import shutil
+import socket
+import ssl
+import subprocess
+import threading
+from collections.abc import Iterator
+
+import pytest
+
+from tests.procs import poll, start_volunteer, stop, tilehive, volunteer_status
+
+USAGE = "give http://HOST:PORT or https://HOST:PORT (e.g. http://127.0.0.1:8470)"
+NOT_TILEHIVE = "is not a tilehive coordinator"
+
+
+def one_line_error(result: subprocess.CompletedProcess) -> str:
+    """The refusal: exit 1, nothing on stdout, one line on stderr, no traceback."""
+    assert result.returncode == 1, (result.stdout, result.stderr)
+    assert result.stdout == ""
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1, result.stderr
+    assert lines[0].startswith("Error: ")
+    return lines[0]
+
+
+def said_once(result: subprocess.CompletedProcess) -> str:
+    """A volunteer that gave up: exit 1, its reason once as an `Error:` line (the log lines
+    of its start around it), no traceback."""
+    assert result.returncode == 1, result.stderr
+    assert "Traceback" not in result.stderr + result.stdout
+    errors = [line for line in result.stderr.splitlines() if line.startswith("Error: ")]
+    assert len(errors) == 1, result.stderr
+    return errors[0]
+
+
+class Page(http.server.BaseHTTPRequestHandler):
+    """Another web server: `body` with `status` and `content_type` to every request."""
+
+    status = 200
+    content_type = "text/html"
+    body = b"<!DOCTYPE html><html><body><h1>It works!</h1></body></html>"
+
+    def do_GET(self) -> None:
+        self.answer()
+
+    def do_POST(self) -> None:
+        self.rfile.read(int(self.headers.get("Content-Length") or 0))
+        self.answer()
+
+    def answer(self) -> None:
+        self.send_response(self.status)
+        self.send_header("Content-Type", self.content_type)
+        self.send_header("Content-Length", str(len(self.body)))
+        self.end_headers()
+        self.wfile.write(self.body)
+
+    def log_message(self, *args) -> None:
+        pass
+
+
+def serve(handler: type, context: ssl.SSLContext | None = None) -> Iterator[str]:
+    """An http.server on a loopback port in a thread; yields its http:// URL."""
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    if context is not None:
+        server.socket = context.wrap_socket(server.socket, server_side=True)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{server.server_address[1]}"
+    finally:
+        server.shutdown()
+        server.server_close()
+        thread.join()
+
+
+def page(status: int, content_type: str = "text/html", body: bytes | None = None) -> type:
+    fields = {"status": status, "content_type": content_type}
+    return type("Answer", (Page,), fields if body is None else {**fields, "body": body})
+
+
+@pytest.fixture
+def html() -> Iterator[str]:
+    yield from serve(page(200))
+
+
+@pytest.fixture
+def html_404() -> Iterator[str]:
+    yield from serve(page(404))
+
+
+@pytest.fixture
+def tls(tmp_path) -> Iterator[str]:
+    """A web server speaking TLS (a self-signed certificate made with openssl)."""
+    if shutil.which("openssl") is None:
+        pytest.skip("openssl is needed to make a certificate")
+    key, cert = tmp_path / "key.pem", tmp_path / "cert.pem"
+    subprocess.run(
+        [
+            *("openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1"),
+            *("-keyout", str(key), "-out", str(cert), "-subj", "/CN=127.0.0.1"),
+        ],
+        check=True,
+        capture_output=True,
+    )
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    context.load_cert_chain(cert, key)
+    yield from serve(page(200), context)
+
+
+BAD_URLS = [
+    ("http://", "names no host"),
+    ("http://127.0.0.1:99999", "Port out of range"),
+    ("http://127.0.0.1:0", "has port 0"),
+    ("ftp://x", "not an http:// or https:// URL"),
+    ("localhost:8470", "not an http:// or https:// URL"),
+]
+
+
+# ---- URLs that are not URLs of a coordinator -----------------------------------------------
+
+
+@pytest.mark.parametrize(("url", "reason"), BAD_URLS)
+def test_a_volunteer_refuses_a_malformed_url_before_anything(tmp_path, url, reason):
+    state = tmp_path / "vol"
+    line = one_line_error(tilehive("volunteer", "start", url, "--state-dir", str(state)))
+    assert reason in line and USAGE in line and repr(url) in line
+    assert not state.exists()
+
+
+@pytest.mark.parametrize(("url", "reason"), [u for u in BAD_URLS if "://" in u[0]])
+def test_status_and_admin_refuse_a_malformed_url(url, reason):
+    for command in (["status", url], ["admin", "pause", url, "--token", "x"]):
+        line = one_line_error(tilehive(*command))
+        assert reason in line and USAGE in line
+
+
+# ---- something else answers ----------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("server", "status"), [("html", 200), ("html_404", 404)])
+def test_a_volunteer_stops_at_another_web_server(tmp_path, request, server, status):
+    url = request.getfixturevalue(server)
+    result = tilehive("volunteer", "start", url, "--state-dir", str(tmp_path / "vol"))
+    line = said_once(result)
+    assert line == (
+        f"Error: {url} {NOT_TILEHIVE}: POST /v1/hosts answered {status} text/html "
+        "('<!DOCTYPE html><html><body><h1>It works!'...)"
+    )
+    assert volunteer_status(tmp_path / "vol")["note"] == line.removeprefix("Error: ")
+
+
+def test_a_volunteer_stops_at_tls_spoken_to_a_plain_port_and_plain_http_to_tls(tmp_path, html, tls):
+    https = html.replace("http://", "https://")
+    line = said_once(tilehive("volunteer", "start", https, "--state-dir", str(tmp_path / "a")))
+    assert line == f"Error: {https} does not speak TLS (the handshake failed): " + (
+        "is it http:// rather than https://?"
+    )
+    line = said_once(tilehive("volunteer", "start", tls, "--state-dir", str(tmp_path / "b")))
+    assert line == f"Error: {tls} speaks TLS: use https:// rather than http://"
+    secure = tls.replace("http://", "https://")
+    line = said_once(tilehive("volunteer", "start", secure, "--state-dir", str(tmp_path / "c")))
+    assert line.startswith(f"Error: {secure}: the TLS certificate is not trusted (")
+
+
+def test_a_daemon_at_another_web_server_ends_and_says_why(tmp_path, html):
+    state = tmp_path / "vol"
+    started = tilehive("volunteer", "start", html, "--daemon", "--state-dir", str(state))
+    assert started.returncode == 0, started.stderr
+    poll(
+        lambda: tilehive("volunteer", "status", "--state-dir", str(state)).returncode == 3,
+        what="the daemon's end",
+    )
+    assert NOT_TILEHIVE in volunteer_status(state)["note"]
+    log = (state / "volunteer.log").read_text()
+    assert log.count(NOT_TILEHIVE) == 1 and "Traceback" not in log
+
+
+def test_a_server_that_drops_connections_is_retried_not_abandoned(tmp_path, reaper):
+    """Resets are what a coordinator that is restarting does: back off, do not give up."""
+    listener = socket.create_server(("127.0.0.1", 0))
+    closing = threading.Event()
+
+    def drop() -> None:
+        while not closing.is_set():
+            try:
+                connection, _ = listener.accept()
+            except OSError:
+                return
+            connection.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, b"\1\0\0\0\0\0\0\0")
+            connection.close()  # a reset, with nothing said
+
+    thread = threading.Thread(target=drop, daemon=True)
+    thread.start()
+    url = f"http://127.0.0.1:{listener.getsockname()[1]}"
+    volunteer = reaper(start_volunteer(url, tmp_path / "vol"))
+    try:
+        poll(
+            lambda: (
+                volunteer_status(tmp_path / "vol").get("state") == "offline"
+                and volunteer_status(tmp_path / "vol").get("errors", 0) >= 3
+            ),
+            what="three failed attempts",
+        )
+        assert volunteer.poll() is None
+    finally:
+        assert stop(volunteer) == 0
+        closing.set()
+        listener.shutdown(socket.SHUT_RDWR)  # wakes the accept (close alone would not)
+        listener.close()
+        thread.join()
+    assert NOT_TILEHIVE not in (tmp_path / "vol" / "out").read_text()
+
+
+@pytest.mark.parametrize(
+    ("answer", "said"),
+    [
+        (page(200), "200 text/html ('<!DOCTYPE html>"),
+        (page(404), "404 text/html ('<!DOCTYPE html>"),
+        (page(200, "application/json", b'{"hello": "world"}'), "200 application/json ("),
+        (page(200, "text/plain", b"not json"), "200 text/plain ('not json')"),
+    ],
+)
+def test_status_and_admin_name_another_web_server(answer, said):
+    for url in serve(answer):
+        line = one_line_error(tilehive("status", url))
+        assert line.startswith(f"Error: {url} {NOT_TILEHIVE}: GET /v1/status answered {said}")
+        line = one_line_error(tilehive("admin", "pause", url, "--token", "x"))
+        assert line.startswith(f"Error: {url} {NOT_TILEHIVE}: POST /v1/admin/pause answered")
+
+
+def test_status_over_tls_to_a_plain_port_is_one_line(html):
+    https = html.replace("http://", "https://")
+    line = one_line_error(tilehive("status", https))
+    assert line.startswith(f"Error: cannot reach {https}: the TLS handshake failed (")
+
+
+# ---- a project where none can be made ------------------------------------------------------
+
+
+def test_init_through_a_file_names_the_path_and_the_reason(tmp_path):
+    (tmp_path / "FILE").write_text("a file, not a folder\n")
+    for target in (tmp_path / "FILE" / "sub", tmp_path / "FILE" / "sub" / "deeper"):
+        line = one_line_error(tilehive("init", str(target)))
+        assert line == f"Error: cannot create {target}: Not a directory"
+    assert (tmp_path / "FILE").read_text() == "a file, not a folder\n"
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="root may write anywhere")
+def test_init_without_permission_names_the_path_and_the_reason(tmp_path):
+    locked = tmp_path / "locked"
+    locked.mkdir(mode=0o500)
+    line = one_line_error(tilehive("init", str(locked / "project")))
+    assert line == f"Error: cannot create {locked / 'project'}: Permission denied"
+
+
+def test_status_json_of_a_non_tilehive_json_is_refused_too():
+    for url in serve(page(200, "application/json", json.dumps([1, 2]).encode())):
+        line = one_line_error(tilehive("status", url, "--json"))
+        assert NOT_TILEHIVE in line

@@ -1,0 +1,87 @@
+"""A coordinator's address: what a valid URL looks like, and telling a tilehive coordinator
+from something else that answers there (another web server, TLS on the wrong side)."""
+
+from __future__ import annotations
+
+import asyncio
+import ssl
+from urllib.parse import urlsplit
+
+import aiohttp
+
+EXAMPLE = "give http://HOST:PORT or https://HOST:PORT (e.g. http://127.0.0.1:8470)"
+
+
+class NotACoordinator(Exception):
+    """Something answers at the URL, but not as a tilehive coordinator: retrying will not
+    help, so a volunteer that never heard a coordinator there says so and stops."""
+
+
+def check_url(url: str) -> str:
+    """`url` without a trailing slash; ValueError (one line) unless it is an http(s) URL
+    with a host and a port in 1-65535, if it names one."""
+    try:
+        parts = urlsplit(url)
+        port = parts.port
+    except ValueError as exc:
+        raise ValueError(f"{url!r} is not a valid URL ({exc}): {EXAMPLE}") from None
+    if parts.scheme not in ("http", "https"):
+        raise ValueError(f"{url!r} is not an http:// or https:// URL: {EXAMPLE}")
+    if not parts.hostname:
+        raise ValueError(f"{url!r} names no host: {EXAMPLE}")
+    if port == 0:
+        raise ValueError(f"{url!r} has port 0: {EXAMPLE}")
+    return url.rstrip("/")
+
+
+def answer(status: int, content_type: str, body: bytes) -> str:
+    """What a server answered, in a few words for an error line."""
+    start = body[:40].decode("utf-8", "replace").strip()
+    more = "..." if len(body) > 40 else ""
+    return f"{status} {content_type or 'without a content type'}" + (
+        f" ({start!r}{more})" if start else ""
+    )
+
+
+def not_tilehive(url: str, request: str, status: int, content_type: str, body: bytes) -> str:
+    """The error line for a reply that no tilehive coordinator would give."""
+    said = answer(status, content_type, body)
+    return f"{url} is not a tilehive coordinator: {request} answered {said}"
+
+
+async def stranger(url: str, exc: BaseException) -> str | None:
+    """Why the network error `exc` on `url` means no coordinator can answer there, or None
+    if it may be one that is down or slow (refused, reset, timed out: retry)."""
+    if isinstance(exc, aiohttp.ClientConnectorCertificateError):
+        return f"{url}: the TLS certificate is not trusted ({exc.certificate_error})"
+    if isinstance(exc, aiohttp.ClientSSLError):
+        return (
+            f"{url} does not speak TLS (the handshake failed): is it http:// rather than https://?"
+        )
+    parts = urlsplit(url)
+    reset = isinstance(exc, aiohttp.ServerDisconnectedError | ConnectionResetError) or (
+        isinstance(exc, aiohttp.ClientOSError) and not isinstance(exc, aiohttp.ClientConnectorError)
+    )
+    if parts.scheme == "http" and reset and await speaks_tls(parts.hostname, parts.port or 80):
+        return f"{url} speaks TLS: use https:// rather than http://"
+    return None
+
+
+async def speaks_tls(host: str, port: int, timeout: float = 5.0) -> bool:
+    """True if a TLS handshake with host:port succeeds (its certificate unchecked: this only
+    asks which protocol the port speaks)."""
+    context = ssl.create_default_context()
+    context.check_hostname = False
+    context.verify_mode = ssl.CERT_NONE
+    try:
+        async with asyncio.timeout(timeout):
+            _, writer = await asyncio.open_connection(host, port, ssl=context)
+    except (OSError, TimeoutError):
+        return False
+    writer.close()
+    try:
+        async with asyncio.timeout(timeout):
+            await writer.wait_closed()
+    except (OSError, TimeoutError):
+        pass
+    return True
