@@ -21,6 +21,7 @@ from coordinator.engine.progress import Progress
 from coordinator.engine.recovery import lost_products
 from coordinator.engine.reports import Reports
 from coordinator.engine.requests import WorkRequests
+from coordinator.engine.retention import Retention
 from coordinator.engine.waiting import Waiting
 from coordinator.rules.access import Access, admin_token
 from coordinator.rules.scheduler import Scheduler
@@ -64,6 +65,7 @@ class Coordinator:
             config, self.ledger, store, self.scheduler, self.stats, self.blobs
         )
         self.products = Products(config, self.ledger, store, self.blobs)
+        self.retention = Retention(self.directory, self.ledger, store, self.blobs)
         self.passes = Passes(
             config, self.ledger, self.blobs, self.products, self.key, self.metrics, self.stats
         )

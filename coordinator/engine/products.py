@@ -7,17 +7,12 @@ are assimilated as the validator decides them, and it finishes, fails or is canc
 from __future__ import annotations
 
 import asyncio
-import dataclasses
-import enum
 import functools
-import gzip
-import json
 import logging
 import secrets
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from pathlib import Path
 
 import numpy as np
 
@@ -49,10 +44,6 @@ log = logging.getLogger(__name__)
 STORAGE_RETRY_MAX = 30.0  # seconds between attempts to store operand panels, at most
 
 FILLED = (WuState.VALIDATED, WuState.ASSIMILATED)
-# Under DIR/logs/: the events and the work units (with their canonical tiles' hashes) of
-# purged steps.
-EVENTS_ARCHIVE = "events.jsonl.gz"
-WORKUNITS_ARCHIVE = "workunits.jsonl.gz"
 
 
 class GemmFailed(RuntimeError):
@@ -90,7 +81,6 @@ class Products:
         self.blobs = blobs
         self.outputs: dict[str, GemmOutput] = {}
         self.failed_here: set[str] = set()  # GEMMs that failed in this run: not retried
-        self.checkpointed: int | None = None  # the step of the last checkpoint in this run
         self.tiles: dict[str, np.ndarray] = {}  # tiles just checked, by hash: no second read
         # Set by the Coordinator: judge a GEMM's late replicas before it leaves memory, and
         # tell the passes that new work is out.
@@ -363,45 +353,3 @@ class Products:
         if output is not None and not output.done.done():
             output.done.set_exception(GemmFailed(message))
         return workunits, aborted
-
-    async def prune(self, through_step: int) -> int:
-        """A checkpoint at `through_step` made every earlier product useless: their blobs
-        are deleted, and their rows purged from the store after their events are archived
-        (DIR/logs/events.jsonl.gz), so the database stays bounded however long the project
-        runs. Returns how many blobs were deleted."""
-        await self.ledger.flush()
-        blobs = await self.store.prunable_blobs(through_step)
-
-        def delete() -> None:
-            for blob in blobs:
-                self.blobs.delete(blob)
-                self.ledger.panel_bytes.pop(blob, None)
-
-        await asyncio.to_thread(delete)
-        # Rows are purged one checkpoint behind: the last interval's decisions stay for
-        # `tilehive logs`, and a slow host's late report of them is still recognised.
-        previous, self.checkpointed = self.checkpointed, through_step
-        if previous is not None:
-            events = await self.store.events_through(previous)
-            workunits = await self.store.workunits_through(previous)
-            # Archived before they are deleted: a crash in between archives some twice.
-            folder = self.config.directory / "logs"
-            await asyncio.to_thread(archive, folder / EVENTS_ARCHIVE, events)
-            await asyncio.to_thread(archive, folder / WORKUNITS_ARCHIVE, workunits)
-            await self.store.purge(previous)
-        return len(blobs)
-
-
-def archive(path: Path, records: list) -> None:
-    """Append records to a gzip file of JSON lines, one object a line (one gzip member per
-    call; gzip readers read the members one after another)."""
-    if not records:
-        return
-    path.parent.mkdir(parents=True, exist_ok=True)
-    lines = "".join(json.dumps(_plain(dataclasses.asdict(r))) + "\n" for r in records)
-    with gzip.open(path, "at", encoding="utf-8") as f:
-        f.write(lines)
-
-
-def _plain(record: dict) -> dict:
-    return {k: (v.value if isinstance(v, enum.Enum) else v) for k, v in record.items()}

@@ -254,9 +254,9 @@ async def test_a_checkpoint_purges_earlier_steps_and_archives_their_events(tmp_p
             await asyncio.wait_for(co.products.matmul(a, b, step=step), 30)
         await co.ledger.flush()
         totals = await co.store.workunit_counts()
-        await co.products.prune(1)  # rows are purged one checkpoint behind
+        await co.retention.prune(1)  # rows are purged one checkpoint behind
         assert {w["step"] for w in co.store.tables["workunits"].values()} == {1, 2, 3}
-        await co.products.prune(2)
+        await co.retention.prune(2)
     finally:
         stop.set()
         await asyncio.gather(*hosts)

@@ -1,0 +1,73 @@
+"""What a checkpoint lets go: the blobs of earlier products, and the database rows of the
+steps before the previous checkpoint (archived first), so that a project's disk and database
+stay bounded however long it runs."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import enum
+import gzip
+import json
+from pathlib import Path
+
+from coordinator.state.blobs import BlobStore
+from coordinator.state.ledger import Ledger
+from coordinator.state.store import Store
+
+# Under DIR/logs/: the events and the work units (with their canonical tiles' hashes) of
+# purged steps.
+EVENTS_ARCHIVE = "events.jsonl.gz"
+WORKUNITS_ARCHIVE = "workunits.jsonl.gz"
+
+
+class Retention:
+    def __init__(self, directory: Path, ledger: Ledger, store: Store, blobs: BlobStore) -> None:
+        self.directory = directory
+        self.ledger = ledger
+        self.store = store
+        self.blobs = blobs
+        self.checkpointed: int | None = None  # the step of the last checkpoint in this run
+
+    async def prune(self, through_step: int) -> int:
+        """A checkpoint at `through_step` made every earlier product useless: their blobs
+        are deleted, and the rows of the steps up to the checkpoint before it are purged
+        from the store once their events and work units are archived under DIR/logs/, so
+        the database holds at most about two checkpoint intervals. Returns how many blobs
+        were deleted."""
+        await self.ledger.flush()
+        blobs = await self.store.prunable_blobs(through_step)
+
+        def delete() -> None:
+            for blob in blobs:
+                self.blobs.delete(blob)
+                self.ledger.panel_bytes.pop(blob, None)
+
+        await asyncio.to_thread(delete)
+        # Rows are purged one checkpoint behind: the last interval's decisions stay for
+        # `tilehive logs`, and a slow host's late report of them is still recognised.
+        previous, self.checkpointed = self.checkpointed, through_step
+        if previous is not None:
+            events = await self.store.events_through(previous)
+            workunits = await self.store.workunits_through(previous)
+            # Archived before they are deleted: a crash in between archives some twice.
+            folder = self.directory / "logs"
+            await asyncio.to_thread(archive, folder / EVENTS_ARCHIVE, events)
+            await asyncio.to_thread(archive, folder / WORKUNITS_ARCHIVE, workunits)
+            await self.store.purge(previous)
+        return len(blobs)
+
+
+def archive(path: Path, records: list) -> None:
+    """Append records to a gzip file of JSON lines, one object a line (one gzip member per
+    call; gzip readers read the members one after another)."""
+    if not records:
+        return
+    path.parent.mkdir(parents=True, exist_ok=True)
+    lines = "".join(json.dumps(_plain(dataclasses.asdict(r))) + "\n" for r in records)
+    with gzip.open(path, "at", encoding="utf-8") as f:
+        f.write(lines)
+
+
+def _plain(record: dict) -> dict:
+    return {k: (v.value if isinstance(v, enum.Enum) else v) for k, v in record.items()}
