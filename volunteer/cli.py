@@ -132,6 +132,8 @@ def start(
         url = check_url(url)
     except ValueError as exc:
         raise click.ClickException(str(exc)) from None
+    # Absolute before anything else: a daemon leaves the working directory behind.
+    state_dir = state_dir.expanduser().absolute()
     config = VolunteerConfig(
         url=url,
         state_dir=state_dir,

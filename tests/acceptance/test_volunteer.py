@@ -6,6 +6,8 @@ import asyncio
 import json
 import re
 import signal
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -13,6 +15,8 @@ import pytest
 import kernels
 from tests.factories import bits, operands
 from tests.procs import (
+    ENV,
+    ROOT,
     committed,
     free_port,
     save_operands,
@@ -338,3 +342,24 @@ def test_the_cache_hit_rate_counts_operands_that_cost_no_download_of_their_own()
     cache.put("b", b"678901")  # over 10 bytes in all: the least recently used goes
     assert cache.get("a", count=False) is None and cache.ids() == ["b"]
     assert cache.hit_rate == 2 / 3
+
+
+def test_a_daemon_with_a_relative_state_dir_starts_and_stops(tmp_path):
+    """`--state-dir v --daemon` from the directory that holds v: the daemon leaves the
+    working directory, so the state directory must be made absolute first."""
+    env = {**ENV, "PYTHONPATH": str(ROOT)}  # run from tmp_path, not the checkout
+    command = [sys.executable, "-m", "coordinator.cli", "volunteer"]
+    started = subprocess.run(
+        [*command, "start", "http://127.0.0.1:9", "--state-dir", "v", "--daemon"],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    try:
+        assert started.returncode == 0, started.stdout + started.stderr
+        assert "Traceback" not in started.stderr
+        assert (tmp_path / "v" / "volunteer.log").exists()
+    finally:
+        subprocess.run([*command, "stop", "--state-dir", "v"], cwd=tmp_path, env=env, timeout=60)
