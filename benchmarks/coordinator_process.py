@@ -44,14 +44,14 @@ def percentile(values: list[float], q: float) -> float:
 def count_assimilated(coordinator: Coordinator) -> list[int]:
     """A counter of work units assimilated, bumped as the ledger records each one."""
     count = [0]
-    put_wu = coordinator.state.ledger.put_wu
+    put_wu = coordinator.ledger.put_wu
 
     def counting(wu: WorkUnit) -> None:
         if wu.state is WuState.ASSIMILATED:
             count[0] += 1
         put_wu(wu)
 
-    coordinator.state.ledger.put_wu = counting
+    coordinator.ledger.put_wu = counting
     return count
 
 
@@ -93,7 +93,7 @@ async def run(args: argparse.Namespace) -> dict:
             step += 1
 
     producing = asyncio.create_task(products())
-    while len(coordinator.state.ledger.hosts) < args.wait_hosts:
+    while len(coordinator.ledger.hosts) < args.wait_hosts:
         await asyncio.sleep(0.05)
     base, cpu, wall = assimilated[0], time.process_time(), time.perf_counter()
     work_seconds.clear()
@@ -110,7 +110,7 @@ async def run(args: argparse.Namespace) -> dict:
         "seconds": seconds,
         "cpu_seconds": cpu,
         "wu_per_s": wus / seconds,
-        "hosts": len(coordinator.state.ledger.hosts),
+        "hosts": len(coordinator.ledger.hosts),
         "wu_per_cpu_s": wus / cpu if cpu else 0.0,
         "work_requests": len(work_seconds),
         "work_p50_ms": 1000 * percentile(work_seconds, 0.50),

@@ -81,7 +81,7 @@ def wire_floor(directory: Path) -> dict:
 
 
 def wire_bytes(coordinator: Coordinator) -> tuple[float, float]:
-    counter = coordinator.engine.metrics.bytes
+    counter = coordinator.metrics.bytes
     return counter.labels("in")._value.get(), counter.labels("out")._value.get()
 
 
@@ -122,7 +122,7 @@ async def run(args: argparse.Namespace) -> dict:
     runner, url = await serve(coordinator, "127.0.0.1", args.port)
     try:
         print(url, flush=True)
-        while len(coordinator.state.ledger.hosts) < args.wait_hosts:
+        while len(coordinator.ledger.hosts) < args.wait_hosts:
             await asyncio.sleep(0.05)
         bytes_in, bytes_out = wire_bytes(coordinator)
         wall = time.perf_counter()
