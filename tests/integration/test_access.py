@@ -262,6 +262,8 @@ async def test_a_volunteer_over_the_rate_limit_slows_down_and_loses_nothing(tmp_
                 threads=1,
                 max_backoff=1.0,
                 low_priority=False,  # in the test process: nice 19 would slow every later test
+                # The budget counts this whole process, and the test process holds the suite.
+                max_memory_mb=4096,
             )
         )
         worker.prepare()
