@@ -59,6 +59,21 @@ state_dir_option = option(
 )
 
 
+threads_option = option(
+    "--threads", type=click.IntRange(min=1), default=default_threads, show_default="cores - 1"
+)
+
+
+max_memory_option = option(
+    "--max-memory",
+    type=click.IntRange(min=1),
+    default=200,
+    show_default=True,
+    help="Peak memory in MB; work that would not fit is refused (a systemd unit's MemoryMax "
+    "is this plus 100).",
+)
+
+
 log_format_option = option(
     "--log-format",
     type=click.Choice(["text", "json"]),
@@ -82,14 +97,8 @@ def volunteer() -> None:
 @volunteer.command()
 @click.argument("url", envvar="TILEHIVE_URL")
 @option("--daemon", is_flag=True, help="Detach and run in the background.")
-@option("--threads", type=click.IntRange(min=1), default=default_threads, show_default="cores - 1")
-@option(
-    "--max-memory",
-    type=click.IntRange(min=1),
-    default=200,
-    show_default=True,
-    help="Peak memory in MB; work that would not fit is refused.",
-)
+@threads_option
+@max_memory_option
 @option(
     "--name",
     default=None,
@@ -273,14 +282,8 @@ def status_line(s: dict[str, Any]) -> str:
 
 @volunteer.command("install-service")
 @click.argument("url", envvar="TILEHIVE_URL")
-@option("--threads", type=click.IntRange(min=1), default=default_threads, show_default="cores - 1")
-@option(
-    "--max-memory",
-    type=click.IntRange(min=1),
-    default=200,
-    show_default=True,
-    help="Peak memory in MB; the unit's MemoryMax is this plus 100.",
-)
+@threads_option
+@max_memory_option
 @state_dir_option
 @option(
     "--unit",
