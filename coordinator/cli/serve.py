@@ -39,6 +39,7 @@ def coordinator_config(project: Project) -> CoordinatorConfig:
         policy=project.policy,
         redundancy=project.redundancy,
         tile=work.tile,
+        tile_sizing=work.sizing == "crowd",
         freivalds_rounds=work.freivalds_rounds,
         no_work_delay=0.25,
         scheduler=SchedulerConfig(adaptive_replication=work.adaptive_replication),

@@ -10,6 +10,7 @@ from pathlib import Path
 from coordinator.rules import trust
 from coordinator.rules.access import AccessConfig
 from coordinator.rules.scheduler import SchedulerConfig
+from coordinator.rules.sizing import SizingConfig
 from coordinator.work.records import Policy, Redundancy
 
 
@@ -21,10 +22,14 @@ class CoordinatorConfig:
     policy: Policy = Policy.QUORUM
     redundancy: Redundancy = field(default_factory=Redundancy)
     tile: int = 128
+    # On: each product's tile is chosen from the hosts at hand, `tile` times a power of two
+    # (rules/sizing.py); off: every product is cut into tiles of `tile`.
+    tile_sizing: bool = False
+    sizing: SizingConfig = field(default_factory=SizingConfig)
     freivalds_rounds: int = 8
     tail_fraction: float = 0.9  # share of a GEMM's tiles done before spares are issued
     max_blob_bytes: int = 64 << 20
-    blob_memory_bytes: int = 64 << 20  # recent blobs served from memory, not from disk
+    blob_memory_bytes: int = 256 << 20  # recent panels and tiles, read from memory, not disk
     max_report_bytes: int = 96 << 20
     max_request_bytes: int = 1 << 20
     # Stored work replies (for retried requests) are kept this many seconds, and at most

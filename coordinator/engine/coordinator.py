@@ -13,6 +13,7 @@ import time
 from pathlib import Path
 
 from coordinator.engine.config import CoordinatorConfig, load_secret
+from coordinator.engine.crowd import CrowdWatch
 from coordinator.engine.hosts import HostRegistry
 from coordinator.engine.operator import Operator
 from coordinator.engine.passes import Passes
@@ -64,7 +65,8 @@ class Coordinator:
         self.requests = WorkRequests(
             config, self.ledger, store, self.scheduler, self.stats, self.blobs
         )
-        self.products = Products(config, self.ledger, store, self.blobs)
+        self.crowd = CrowdWatch(self.ledger)
+        self.products = Products(config, self.ledger, store, self.blobs, self.crowd)
         self.retention = Retention(self.directory, self.ledger, store, self.blobs)
         self.passes = Passes(
             config, self.ledger, self.blobs, self.products, self.key, self.metrics, self.stats
@@ -78,6 +80,7 @@ class Coordinator:
             self.stats,
             arrived=self.passes.arrived,
             wake=self.passes.wake,
+            crowd=self.crowd,
         )
         self.operator = Operator(self.ledger, self.requests, self.passes, self.products)
         self.products.judge_late = self.passes.judge_late

@@ -18,6 +18,7 @@ import numpy as np
 import kernels
 from coordinator.engine.config import CoordinatorConfig
 from coordinator.engine.metrics import Metrics
+from coordinator.engine.offload import offload
 from coordinator.engine.products import Products, new_result_id
 from coordinator.engine.reports import quarantine_event
 from coordinator.rules import trust, validator
@@ -194,7 +195,10 @@ class Passes:
         results = self.ledger.results_for(wu_id)
         for result in validator.tiles_to_check(wu, results):
             if result.id not in self._checks:
-                self._checks.update(await asyncio.to_thread(self._freivalds_all, [(wu, result)]))
+                checks = await offload(
+                    lambda r=result: self._freivalds_all([(wu, r)]), check_bytes([wu])
+                )
+                self._checks.update(checks)
         decision = validator.decide(wu, results, self._checks, now)
         method = validation_method(wu)
         trust_change: dict[str, tuple[int, int]] = {}
@@ -252,7 +256,8 @@ class Passes:
                 if result.id not in self._checks:
                     wanted.append((wu, result))
         if wanted:
-            self._checks.update(await asyncio.to_thread(self._freivalds_all, wanted))
+            size = check_bytes([wu for wu, _ in wanted])
+            self._checks.update(await offload(lambda: self._freivalds_all(wanted), size))
 
     def _freivalds_all(self, wanted: list[tuple[WorkUnit, Result]]) -> dict[str, validator.Check]:
         panels: dict[str, np.ndarray] = {}
@@ -303,6 +308,11 @@ class Passes:
                 self.ledger.touched.add(wu.id)
                 message = f"tail: {done}/{len(wus)} tiles done; spare replica for a fast host"
                 self.ledger.log([Event.about(wu, now, "accelerated", message)])
+
+
+def check_bytes(wus: list[WorkUnit]) -> int:
+    """Bytes a Freivalds check of these work units' tiles reads: tile and both panels."""
+    return sum(4 * (m * n + m * k + k * n) for m, n, k in (wu.shape for wu in wus))
 
 
 def validation_method(wu: WorkUnit) -> str:

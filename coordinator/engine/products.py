@@ -18,7 +18,10 @@ import numpy as np
 
 import kernels
 from coordinator.engine.config import CoordinatorConfig
+from coordinator.engine.crowd import CrowdWatch
+from coordinator.engine.offload import offload
 from coordinator.engine.recovery import canonical_tile, panels, restore_panels
+from coordinator.rules import sizing
 from coordinator.state.blobs import BlobStore
 from coordinator.state.ledger import Ledger
 from coordinator.state.store import Store
@@ -73,9 +76,15 @@ class Products:
     """
 
     def __init__(
-        self, config: CoordinatorConfig, ledger: Ledger, store: Store, blobs: BlobStore
+        self,
+        config: CoordinatorConfig,
+        ledger: Ledger,
+        store: Store,
+        blobs: BlobStore,
+        crowd: CrowdWatch | None = None,
     ) -> None:
         self.config = config
+        self.crowd = crowd
         self.ledger = ledger
         self.store = store
         self.blobs = blobs
@@ -107,7 +116,8 @@ class Products:
         k = a.shape[0] if trans_a else a.shape[1]
         if m == 0 or n == 0 or k == 0:
             return kernels.gemm(a, b, trans_a=trans_a, trans_b=trans_b)
-        a_id, b_id = await asyncio.to_thread(lambda: (kernels.array_id(a), kernels.array_id(b)))
+        size = a.nbytes + b.nbytes
+        a_id, b_id = await offload(lambda: (kernels.array_id(a), kernels.array_id(b)), size)
         describe = functools.partial(
             gemm_id,
             step=step,
@@ -116,7 +126,6 @@ class Products:
             b_id=b_id,
             trans_a=trans_a,
             trans_b=trans_b,
-            tile=config.tile,
             policy=config.policy,
             kernel_version=kernels.KERNEL_VERSION,
         )
@@ -146,7 +155,7 @@ class Products:
                     k=k,
                     trans_a=trans_a,
                     trans_b=trans_b,
-                    tile=config.tile,
+                    tile=self.tile_for(m, n, k, now),
                     a_id=a_id,
                     b_id=b_id,
                     policy=config.policy,
@@ -195,6 +204,16 @@ class Products:
         self.published()
         return await asyncio.shield(output.done)
 
+    def tile_for(self, m: int, n: int, k: int, now: float) -> int:
+        """The project's tile, or one fitted to the hosts at hand (rules/sizing.py); the
+        bits of the product are the same either way."""
+        config = self.config
+        if not config.tile_sizing or self.crowd is None:
+            return config.tile
+        replicas = config.redundancy.for_policy(config.policy).target_nresults
+        crowd = self.crowd.crowd(now)
+        return sizing.choose_tile(m, n, k, config.tile, crowd, replicas, config.sizing)
+
     async def _attempt(self, describe: Callable[..., str]) -> str:
         """The id of this product's current attempt.
 
@@ -228,7 +247,7 @@ class Products:
             # Off the event loop: cutting a large operand into panels copies all of it.
             rows, cols = panels(a, b, gemm.trans_a, gemm.trans_b, gemm.tile, gemm.m, gemm.n)
             encoded = [kernels.encode_array(p) for p in (*rows, *cols)]
-            ids = self.blobs.put_many([(data, None) for data in encoded], serve=True)
+            ids = self.blobs.put_many([(data, None) for data in encoded], keep=True)
             for panel_id, data in zip(ids, encoded, strict=True):
                 self.ledger.panel_bytes[panel_id] = len(data)
             return ids[: len(rows)], ids[len(rows) :]
@@ -236,7 +255,7 @@ class Products:
         delay = 1.0
         while True:
             try:
-                row_ids, col_ids = await asyncio.to_thread(store_panels)
+                row_ids, col_ids = await offload(store_panels, a.nbytes + b.nbytes)
                 break
             except OSError as exc:
                 # Nothing of this GEMM is committed yet: waiting loses nothing, and the step

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import json
 import logging
 from collections.abc import Callable
@@ -11,7 +10,9 @@ import numpy as np
 
 import kernels
 from coordinator.engine.config import CoordinatorConfig
+from coordinator.engine.crowd import CrowdWatch
 from coordinator.engine.metrics import Metrics
+from coordinator.engine.offload import offload
 from coordinator.rules import trust
 from coordinator.state.blobs import BlobStore
 from coordinator.state.ledger import Ledger
@@ -45,6 +46,7 @@ class Reports:
         stats: dict,
         arrived: Callable[[str], None],
         wake: Callable[[], None],
+        crowd: CrowdWatch,
     ) -> None:
         self.config = config
         self.ledger = ledger
@@ -54,6 +56,7 @@ class Reports:
         self.stats = stats
         self.arrived = arrived  # a work unit has a new success to validate
         self.wake = wake  # the passes: something changed
+        self.crowd = crowd  # learns what a tile costs beyond its arithmetic
 
     async def report(self, host: Host, request: ReportRequest, now: float) -> dict:
         """Accept a batch of results: all entries are checked before any is applied.
@@ -120,23 +123,22 @@ class Reports:
         if unknown and len(unknown) == len(request.results):
             raise NotFound(f"unknown result {unknown[0]}")
         finished += unknown
-        # Hashing and decoding megabytes of tiles is no work for the event loop.
-        await asyncio.to_thread(
-            lambda: [
-                self._check_tile(wu, entry.result_id, entry.output_hash, tile)
-                for entry, _, wu, tile in checked
-                if tile is not None
-            ]
-        )
-        # Every tile is stored before any report is applied: when the blob store fails, the
-        # whole report is refused and none of it is half-done.
-        await self._store_tiles(
-            [
-                (entry.output_hash, tile)
-                for entry, result, _, tile in checked
-                if tile is not None and not self._reported(result)  # a replay stores nothing
-            ]
-        )
+        # Every tile is checked, then stored, before any report is applied: when the blob
+        # store fails, the whole report is refused and none of it is half-done.
+        fresh = [
+            (entry.output_hash, tile)
+            for entry, result, _, tile in checked
+            if tile is not None and not self._reported(result)  # a replay stores nothing
+        ]
+
+        def check_and_store() -> None:
+            for entry, _, wu, tile in checked:
+                if tile is not None:
+                    self._check_tile(wu, entry.result_id, entry.output_hash, tile)
+            self._store_tiles(fresh)
+
+        size = sum(len(tile) for _, _, _, tile in checked if tile is not None)
+        await offload(check_and_store, size)
         summary: dict[str, list[str]] = {"accepted": [], "late": finished, "duplicate": []}
         for entry, result, wu, tile in checked:
             verdict = self._apply(host, entry, result, wu, tile is not None, now)
@@ -150,12 +152,11 @@ class Reports:
         current = self.ledger.results.get(result.id, result)
         return current.outcome in (Outcome.SUCCESS, Outcome.CLIENT_ERROR)
 
-    async def _store_tiles(self, tiles: list[tuple[str, bytes]]) -> None:
-        def store() -> None:
-            self.blobs.put_many([(tile, output_hash) for output_hash, tile in tiles])
-
+    def _store_tiles(self, tiles: list[tuple[str, bytes]]) -> None:
+        # Checked against their hashes at the edge (_check_tile): each is hashed once. Kept
+        # in memory for the validator, which reads them next.
         try:
-            await asyncio.to_thread(store)
+            self.blobs.put_many([(tile, h) for h, tile in tiles], keep=True, verified=True)
         except OSError as exc:
             log.error("blob store %s cannot be written: %s", self.blobs.root, exc)
             raise StorageUnavailable(
@@ -216,6 +217,8 @@ class Reports:
                 )
             )
             self.stats["tiles_in"] += 1
+            if result.sent_time is not None and not late:
+                self.crowd.observe(now - result.sent_time, entry.seconds)
             what = "tile" if has_tile else "hash"
             message = f"{what} {entry.output_hash[:16]} in {entry.seconds:.2f}s"
             state, message = "success", ("late " if late else "") + message

@@ -37,9 +37,11 @@ class BlobNotFound(KeyError):
 
 
 class RecentBlobs:
-    """The blobs written last, up to `capacity` bytes, served from memory: every volunteer
-    fetches the operand panels of the current product, and a file response costs a stat,
-    a sendfile and two epoll calls each time. Thread-safe: blobs are written off the loop."""
+    """The blobs written last, up to `capacity` bytes, kept in memory: every volunteer
+    fetches the operand panels of the current product (a file response costs a stat, a
+    sendfile and two epoll calls each time), and the validator reads each tile right after
+    it arrives (a read from disk costs a hash to check it). Thread-safe: blobs are written
+    off the loop."""
 
     def __init__(self, capacity: int) -> None:
         self.capacity = capacity
@@ -99,17 +101,25 @@ class BlobStore:
         except FileNotFoundError as exc:
             raise BlobNotFound(blob) from exc
 
-    def put(self, data: bytes, expected: str | None = None, *, serve: bool = False) -> str:
-        """Store bytes (checked against `expected` when given) and return their id; `serve`
-        keeps them in memory too, for blobs volunteers are about to fetch (operand panels)."""
-        return self.put_many([(data, expected)], serve=serve)[0]
+    def put(self, data: bytes, expected: str | None = None, *, keep: bool = False) -> str:
+        """Store bytes (checked against `expected` when given) and return their id; `keep`
+        holds them in memory too, for blobs about to be read (panels volunteers fetch,
+        tiles the validator checks)."""
+        return self.put_many([(data, expected)], keep=keep)[0]
 
-    def put_many(self, blobs: list[tuple[bytes, str | None]], *, serve: bool = False) -> list[str]:
+    def put_many(
+        self,
+        blobs: list[tuple[bytes, str | None]],
+        *,
+        keep: bool = False,
+        verified: bool = False,
+    ) -> list[str]:
         """Store several blobs, each whole or absent: written to a temporary file and renamed
-        into place. Not synced: blobs are a step's intermediate products, which the step
-        recomputes bit for bit from its inputs after a power cut (a process killed at any
-        moment leaves its written files to the kernel, which keeps them); see "Durability"
-        in docs/architecture.md for what is synced and when."""
+        into place. `verified`: the caller has checked each blob against its `expected` id
+        already (a blob is hashed once). Not synced: blobs are a step's intermediate
+        products, which the step recomputes bit for bit from its inputs after a power cut
+        (a process killed at any moment leaves its written files to the kernel, which keeps
+        them); see "Durability" in docs/architecture.md for what is synced and when."""
         ids = []
         for data, expected in blobs:
             if len(data) > self.max_blob_bytes:
@@ -118,13 +128,13 @@ class BlobStore:
                 )
             if expected is None:
                 expected = blob_id(data)
-            else:
+            elif not verified:
                 verify_blob(data, expected)
             ids.append(expected)
         for blob, (data, _) in zip(ids, blobs, strict=True):
             if not self.has(blob):
                 self._write(self.path(blob), data)
-            if serve:
+            if keep:
                 self.recent.add(blob, data)
         return ids
 
@@ -144,10 +154,15 @@ class BlobStore:
         self.recent.discard(blob)
         self.path(blob).unlink(missing_ok=True)
 
-    def put_array(self, array: np.ndarray, *, serve: bool = False) -> str:
-        return self.put(encode_array(array), serve=serve)
+    def put_array(self, array: np.ndarray, *, keep: bool = False) -> str:
+        return self.put(encode_array(array), keep=keep)
 
     def get(self, blob: str) -> bytes:
+        """The blob's bytes: from memory when it was kept (checked when it was stored),
+        else from disk, checked against its id."""
+        kept = self.recent.get(blob)
+        if kept is not None:
+            return kept
         try:
             data = self.path(blob).read_bytes()
         except FileNotFoundError as exc:

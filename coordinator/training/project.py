@@ -64,6 +64,7 @@ class OptimizerSettings:
 @dataclass(frozen=True)
 class WorkSettings:
     tile: int = 128
+    sizing: str = "crowd"
     policy: str = "quorum"
     freivalds_rounds: int = 8
     target_nresults: int = 2
@@ -145,6 +146,7 @@ RULES: dict[tuple[str, str], tuple[Any, str]] = {
     ("optimizer", "weight_decay"): (lambda v: 0 <= v < 1, "a number in [0, 1)"),
     ("optimizer", "grad_clip"): (lambda v: v >= 0, "a non-negative number (0: no clipping)"),
     ("work", "tile"): (lambda v: 1 <= v <= 4096, "an integer from 1 to 4096"),
+    ("work", "sizing"): (lambda v: v in ("crowd", "fixed"), '"crowd" or "fixed"'),
     ("work", "policy"): (lambda v: v in {p.value for p in Policy}, "quorum, freivalds or both"),
     ("work", "freivalds_rounds"): (lambda v: 1 <= v <= 64, "an integer from 1 to 64"),
     ("work", "target_nresults"): (lambda v: 1 <= v <= 16, "an integer from 1 to 16"),
@@ -261,7 +263,10 @@ weight_decay = {optimizer.weight_decay}
 grad_clip = {optimizer.grad_clip}            # max global gradient norm; 0 turns clipping off
 
 [work]                      # how matrix products become work units
-tile = {work.tile}                # output tile size (rows and columns)
+tile = {work.tile}                # output tile size (rows and columns); under "crowd", the smallest
+sizing = "{work.sizing}"          # crowd: each product's tile is `tile` times a power of two, from
+                              # the hosts' number, speed and round trip; fixed: always `tile`.
+                              # The kernel is tiling-invariant: the bits are the same either way.
 policy = "{work.policy}"          # quorum: bit-identical hashes; freivalds: a keyed check; both
 freivalds_rounds = {work.freivalds_rounds}     # a wrong tile passes with probability <= 2^-rounds
 target_nresults = {work.target_nresults}       # replicas issued per work unit (quorum policies)

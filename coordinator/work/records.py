@@ -222,12 +222,13 @@ def gemm_id(
     b_id: str,
     trans_a: bool,
     trans_b: bool,
-    tile: int,
     policy: Policy,
     kernel_version: int,
     attempt: int = 0,
 ) -> str:
-    """The content id of a product: the same inputs always name the same GEMM.
+    """The content id of a product: the same inputs always name the same GEMM. Its tile is
+    not part of it (the bits do not depend on it): a product is cut once, when published, and
+    a restarted coordinator finds it however it would cut it now.
 
     `attempt` counts earlier runs of the same product that failed or were cancelled: a retry
     is a new GEMM with new work units, so nothing of the failed one is reused."""
@@ -238,7 +239,6 @@ def gemm_id(
         "b": b_id,
         "trans_a": trans_a,
         "trans_b": trans_b,
-        "tile": tile,
         "policy": policy.value,
         "kernel_version": kernel_version,
     }

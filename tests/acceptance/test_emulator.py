@@ -50,6 +50,7 @@ PROJECT = {
     "max_error_results": "20",  # errors, lies and given-back work are the point here
     "max_total_results": "40",
     "adaptive_replication": "false",  # every tile quorum-checked: bitwise even vs liars
+    "sizing": '"fixed"',  # many tiles of 64, not a few cut for the crowd: load is the point
 }
 
 

@@ -1,0 +1,78 @@
+"""Sized work: a product's tile follows the crowd that will compute it.
+
+The kernel is tiling-invariant (each output element is reduced over K in an order that
+depends on K alone), so the tile decides how a product is cut and never a bit of its result.
+What it does decide is the time: every tile costs a round trip, a fetch and a report on top
+of its arithmetic, and the coordinator's own bookkeeping per result. A few fast hosts finish
+a product soonest in a few large tiles; many slow ones, in more, smaller tiles that all of
+them can work on at once.
+
+`choose_tile` estimates a product's time for each candidate tile (the project's tile times
+a power of two, up to one tile for the whole product) and takes the largest tile within
+`SLACK` of the best estimate: fewer tiles cost the coordinator and the wire less.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+SLACK = 1.10  # a larger tile is taken when its estimate is within 10% of the best
+
+
+@dataclass(frozen=True, slots=True)
+class Crowd:
+    """The hosts a product will meet, as measured lately."""
+
+    hosts: int  # hosts in recent contact, not quarantined (at least 1 is assumed)
+    gflops: float  # their median measured speed
+    overhead: float  # seconds a tile costs a host beyond its arithmetic: round trip and I/O
+    memory_bytes: int = 0  # the smallest memory for work among them; 0: no limit given
+
+
+@dataclass(frozen=True, slots=True)
+class SizingConfig:
+    # The coordinator's own work per result (issue, check, commit, assimilate), which no
+    # number of hosts shares: measured at about 1 ms (docs/performance.md).
+    coordinator_seconds: float = 0.001
+    max_tile_bytes: int = 16 << 20  # the largest output tile, whatever the crowd
+
+
+def tile_memory(tm: int, tn: int, k: int) -> int:
+    """Bytes a volunteer needs for a tm x tn tile over k: both panels and the tile three
+    times (as the scheduler counts it: computed, encoded, copied into the report)."""
+    return 4 * (tm * k + k * tn) + 12 * tm * tn
+
+
+def estimate(
+    m: int, n: int, k: int, tile: int, crowd: Crowd, replicas: int, config: SizingConfig
+) -> float:
+    """Seconds for the product cut into tiles of `tile`: the hosts work in waves of one tile
+    each, unless the coordinator's own work per result is the longer."""
+    tm, tn = min(tile, m), min(tile, n)
+    tiles = math.ceil(m / tile) * math.ceil(n / tile)
+    results = tiles * replicas
+    per_tile = 2.0 * tm * tn * k / (max(crowd.gflops, 1e-3) * 1e9) + crowd.overhead
+    waves = math.ceil(results / max(crowd.hosts, 1))
+    return max(waves * per_tile, results * config.coordinator_seconds)
+
+
+def choose_tile(
+    m: int, n: int, k: int, floor: int, crowd: Crowd, replicas: int, config: SizingConfig
+) -> int:
+    """The tile for an m x n x k product: `floor` (the project's tile) times a power of two,
+    no larger than the product, its blob limit or the crowd's memory allows."""
+    candidates = [floor]
+    while candidates[-1] < max(m, n):
+        candidates.append(candidates[-1] * 2)
+
+    def fits(tile: int) -> bool:
+        tm, tn = min(tile, m), min(tile, n)
+        if 4 * tm * tn > config.max_tile_bytes:
+            return False
+        return not crowd.memory_bytes or tile_memory(tm, tn, k) <= crowd.memory_bytes
+
+    usable = [floor] + [t for t in candidates[1:] if fits(t)]
+    times = {t: estimate(m, n, k, t, crowd, replicas, config) for t in usable}
+    best = min(times.values())
+    return max(t for t, seconds in times.items() if seconds <= best * SLACK)

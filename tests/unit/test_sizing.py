@@ -1,0 +1,77 @@
+"""Sized work: the tile a product is cut into follows the crowd, and never changes a bit."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import msgpack
+import numpy as np
+
+import kernels
+from coordinator.engine.config import CoordinatorConfig
+from coordinator.engine.coordinator import Coordinator
+from coordinator.rules.sizing import Crowd, SizingConfig, choose_tile, tile_memory
+from coordinator.state.memory import MemoryStore
+from coordinator.work.protocol import RegisterRequest, ReportRequest, ResultReport, WorkRequest
+from coordinator.work.records import Policy
+from tests.factories import bits, operands
+
+CONFIG = SizingConfig()
+
+
+def test_one_fast_host_gets_the_whole_product_in_one_tile():
+    crowd = Crowd(hosts=1, gflops=50.0, overhead=0.01)
+    assert choose_tile(512, 384, 128, 128, crowd, 1, CONFIG) == 512
+
+
+def test_many_slow_hosts_over_a_slow_network_share_a_large_product():
+    # 64 tiles of 256 for 100 phones: each gets about one; one tile would take minutes.
+    crowd = Crowd(hosts=100, gflops=1.0, overhead=0.1)
+    assert choose_tile(2048, 2048, 2048, 256, crowd, 1, CONFIG) == 256
+
+
+def test_the_crowds_memory_caps_the_tile():
+    small = tile_memory(256, 256, 4096)
+    crowd = Crowd(hosts=1, gflops=50.0, overhead=0.01, memory_bytes=small)
+    assert choose_tile(4096, 4096, 4096, 128, crowd, 1, CONFIG) == 256
+
+
+def test_the_coordinators_own_work_per_result_keeps_tiles_from_being_tiny():
+    # 10,000 hosts would each take a tile of 16, but 4,096 results cost the coordinator
+    # more than the few tiles that keep it under the hosts' time.
+    crowd = Crowd(hosts=10_000, gflops=10.0, overhead=0.0)
+    assert choose_tile(1024, 1024, 64, 16, crowd, 1, CONFIG) > 16
+
+
+def test_the_floor_is_kept_even_when_nothing_larger_fits():
+    crowd = Crowd(hosts=1, gflops=50.0, overhead=0.01, memory_bytes=1)
+    assert choose_tile(1024, 1024, 1024, 64, crowd, 2, CONFIG) == 64
+
+
+async def test_a_product_cut_for_the_crowd_has_the_kernels_bits(tmp_path, rng):
+    """One host: the product goes out as one tile instead of the 12 of the project's tile,
+    and its bits are the kernel's."""
+    config = CoordinatorConfig(
+        directory=tmp_path, tile=16, tile_sizing=True, policy=Policy.FREIVALDS, long_poll=0.05
+    )
+    co = Coordinator(config, MemoryStore())
+    await co.start()
+    try:
+        host, _ = await co.hosts.register(RegisterRequest("h", 10.0, 1, 512), time.time())
+        a, b = operands(rng, 64, 48, 40, True, False)
+        product = asyncio.create_task(co.products.matmul(a, b, trans_a=True, label="x"))
+        request = WorkRequest("r1", 8, (), (), None, True)
+        reply = msgpack.unpackb(await co.requests.request_work(host, request, time.time()))
+        (assignment,) = reply["assignments"]
+        assert (assignment["m"], assignment["n"]) == (64, 48)
+        tile = kernels.gemm(
+            co.blobs.get_array(assignment["a"]), co.blobs.get_array(assignment["b"]), trans_a=True
+        )
+        blob = kernels.encode_array(tile)
+        entry = ResultReport(assignment["result_id"], kernels.blob_id(blob), blob, None, 0.001)
+        await co.reports.report(host, ReportRequest((entry,)), time.time())
+        result = await asyncio.wait_for(product, 30)
+        np.testing.assert_array_equal(bits(result), bits(kernels.gemm(a, b, trans_a=True)))
+    finally:
+        await co.stop()
