@@ -156,8 +156,15 @@ class CoordinatorClient:
         kernels.verify_blob(data, blob_id)
         return bytes(data)
 
-    async def report(self, results: list[dict[str, Any]]) -> dict[str, Any]:
-        return await self._post("/v1/results", {"results": results})
+    async def report(
+        self, results: list[dict[str, Any]], work: dict[str, Any] | None = None
+    ) -> dict[str, Any]:
+        """Send results; `work` (the fields of a work request) asks for more work in the same
+        round trip, and its answer comes back as the reply's `work`."""
+        message: dict[str, Any] = {"results": results}
+        if work is not None:
+            message["work"] = work
+        return await self._post("/v1/results", message)
 
     async def status(self) -> dict[str, Any]:
         async with self.session.get(self.url + "/v1/status") as resp:

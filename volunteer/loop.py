@@ -178,6 +178,7 @@ class PullLoop(CoordinatorSession):
     async def _cycle(self, stop: asyncio.Event) -> None:
         pause = self._paused()
         if pause:
+            await self._flush()  # finished tiles are not held back by a pause
             await wait(stop, pause)
             return
         room = self._capacity()
@@ -185,14 +186,15 @@ class PullLoop(CoordinatorSession):
         # With nothing queued it always asks, for no work if it has no room: a heartbeat
         # that lists what it holds (and is where aborts come back), never a spin.
         if not self.queue or time_to_ask(len(self.queue), room, self.short):
-            await self._flush()
             reply = await self._ask(room)
         if self.queue:
             self.state = "working"
             self.backoff.reset()
             self.idle.reset()
             await self._compute_next()
-            if report_due(self.pending, len(self.queue)):
+            # With the queue empty the next cycle asks for work at once, and the reports
+            # ride on that request.
+            if self.queue and report_due(self.pending, len(self.queue)):
                 await self._flush()
         elif reply is not None and not reply["assignments"]:
             self.state = "idle"
@@ -214,7 +216,18 @@ class PullLoop(CoordinatorSession):
             "gflops": self.gflops,
             "wait": wait_for_work,
         }
-        reply = await self._call("work", lambda: self.client.request_work(request_id, **message))
+        # Reports beyond one batch go first; the last batch carries the request, and the
+        # answer to it comes back with the report's: one round trip per product, not two.
+        while len(report_batch(self.pending)) < len(self.pending):
+            await self._flush()
+        reply = None
+        if self.pending:
+            answer = await self._flush({"request_id": request_id, **message})
+            reply = None if answer is None else answer.get("work")
+        if not isinstance(reply, dict):  # nothing to report, or refused with its report
+            reply = await self._call(
+                "work", lambda: self.client.request_work(request_id, **message)
+            )
         self._heard(reply, wait_for_work)
         if reply.get("finished"):
             raise ProjectFinished(reply.get("note") or "no more work will come")
@@ -363,13 +376,16 @@ class PullLoop(CoordinatorSession):
             report["tile"] = fields["tile"]
         return report
 
-    async def _flush(self) -> None:
+    async def _flush(self, work: dict[str, Any] | None = None) -> dict[str, Any] | None:
+        """Send one batch of reports, with a work request (`work`) if given; returns the
+        reply, or None if the coordinator refused the batch for good."""
         if not self.pending:
-            return
+            return None
         batch = report_batch(self.pending)
         size = sum(len(r.get("tile", b"")) + 64 for r in batch)
+        reply = None
         try:
-            reply = await self._call("report", lambda: self.client.report(batch), up=size)
+            reply = await self._call("report", lambda: self.client.report(batch, work), up=size)
         except ServerRefused as exc:
             if exc.retriable or exc.status == 401:
                 raise  # kept: sent again after the backoff (or after registering again)
@@ -385,6 +401,7 @@ class PullLoop(CoordinatorSession):
             self.stats.duplicate += len(reply.get("duplicate", []))
         self.stats.bytes_up += size
         self.pending = self.pending[len(batch) :]
+        return reply
 
     # ---- the end of a session ---------------------------------------------------------------
 

@@ -161,7 +161,18 @@ async def report(request: web.Request) -> web.Response:
     host = co.hosts.authenticate(bearer(request))
     co.access.check_rate(host.id, time.monotonic())
     message = protocol.parse_report(await read_body(request, co.config.max_report_bytes))
-    return msgpack_response(await co.reports.report(host, message, time.time()))
+    summary = await co.reports.report(host, message, time.time())
+    if message.work is None:
+        return msgpack_response(summary)
+    # The host has more room: its next work comes back with this answer (long-polled).
+    try:
+        work = await co.requests.request_work(host, message.work, time.time())
+    except protocol.Forbidden:
+        # Quarantined by this very report: the report stands, and the host hears why when
+        # it asks for work on its own.
+        return msgpack_response(summary)
+    body = protocol.encode_with(summary, "work", work)
+    return web.Response(body=body, content_type=protocol.CONTENT_TYPE)
 
 
 async def blob(request: web.Request) -> web.StreamResponse:

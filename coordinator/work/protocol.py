@@ -125,6 +125,17 @@ def encode(message: dict[str, Any]) -> bytes:
     return msgpack.packb(message, use_bin_type=True)
 
 
+def encode_with(message: dict[str, Any], key: str, encoded: bytes) -> bytes:
+    """`message` with one more field whose value is already msgpack (`encoded`): the answer
+    to a work request rides in a report's reply without being decoded and encoded again."""
+    packer = msgpack.Packer(use_bin_type=True)
+    parts = [packer.pack_map_header(len(message) + 1)]
+    for name, value in message.items():
+        parts += (packer.pack(name), packer.pack(value))
+    parts += (packer.pack(key), encoded)
+    return b"".join(parts)
+
+
 def decode(body: bytes, max_bytes: int) -> dict[str, Any]:
     """A msgpack map from a request body, or BadRequest/TooLarge."""
     if len(body) > max_bytes:
@@ -247,6 +258,9 @@ class ResultReport:
 @dataclass(frozen=True, slots=True)
 class ReportRequest:
     results: tuple[ResultReport, ...]
+    # A work request riding on the report: its answer comes back in the report's reply, so
+    # a host that has just finished its queue saves a round trip per product.
+    work: WorkRequest | None = None
 
 
 def parse_report(message: dict[str, Any]) -> ReportRequest:
@@ -264,7 +278,13 @@ def parse_report(message: dict[str, Any]) -> ReportRequest:
     ids = [r.result_id for r in reports]
     if len(set(ids)) != len(ids):
         raise BadRequest("field 'results' names a result more than once")
-    return ReportRequest(results=tuple(reports))
+    work = _get(message, "work", dict, None)
+    if work is not None:
+        try:
+            work = parse_work_request(work)
+        except BadRequest as exc:
+            raise BadRequest(f"work: {exc.message}") from exc
+    return ReportRequest(results=tuple(reports), work=work)
 
 
 def _parse_one_report(entry: dict[str, Any]) -> ResultReport:

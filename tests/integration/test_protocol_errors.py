@@ -168,3 +168,30 @@ async def test_work_given_back_goes_out_again_and_costs_the_host_nothing(server)
         assert assignment["wu_id"] in {a["wu_id"] for a in taken}
     events = await co.store.events(kind="result")
     assert any(e.state == "abandoned" and e.result_id == result_id for e in events)
+
+
+async def test_a_report_carries_the_next_work_request_and_its_answer(server):
+    """One round trip per product: the reply to a report holds the answer to the work request
+    that rode on it, with new assignments; a malformed one is a 400 and changes nothing."""
+    co, url, _ = server
+    async with CoordinatorClient(url) as alice:
+        await alice.register("alice")
+        first = (await alice.request_work("a1", capacity=1))["assignments"]
+        (assignment,) = first
+        a = await alice.fetch_blob(assignment["a"], max_bytes=1 << 20)
+        b = await alice.fetch_blob(assignment["b"], max_bytes=1 << 20)
+        output_hash, tile = compute_tile(assignment, a, b)
+        entry = {"result_id": assignment["result_id"], "hash": output_hash, "tile": tile}
+        with pytest.raises(Exception, match="400") as bad:
+            await alice.report([entry], work={"request_id": "a2", "capacity": "x"})
+        assert "work: field 'capacity'" in str(bad.value)
+        assert co.ledger.results[assignment["result_id"]].outcome.value == "init"
+        work = {"request_id": "a2", "capacity": 2, "in_progress": [], "wait": False}
+        reply = await alice.report([entry], work=work)
+        assert reply["accepted"] == [assignment["result_id"]]
+        assert len(reply["work"]["assignments"]) == 2
+        taken = {a["result_id"] for a in reply["work"]["assignments"]}
+        assert assignment["result_id"] not in taken
+        # The same request id again: the same answer, no new assignment.
+        again = await alice.request_work("a2", capacity=2, wait=False)
+        assert {a["result_id"] for a in again["assignments"]} == taken
