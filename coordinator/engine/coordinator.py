@@ -87,7 +87,7 @@ class Coordinator:
         self.products.published = self.passes.wake
         self.passes.after_pass = self.progress.sample_rate
         self.progress.paused = lambda: self.requests.paused
-        self.waiting = Waiting(self.ledger, lambda: self.requests.paused)
+        self.waiting = Waiting(self.ledger, lambda: self.requests.paused, self._storage_failure)
         self.progress.waiting = lambda: self.waiting.current
         self.requests.why_waiting = self.waiting.note
         self.ledger.on_unsent = self.requests.signal_work
@@ -146,6 +146,7 @@ class Coordinator:
         self._tasks.clear()
         try:
             await self.ledger.flush()
+            await asyncio.to_thread(self.blobs.close)
         finally:
             # Always: an open database keeps its worker thread, and so the process, alive.
             await self.store.close()
@@ -160,6 +161,12 @@ class Coordinator:
             await asyncio.sleep(WAIT_CHECK_EVERY)
             if self.waiting.check(time.time()):
                 await self.ledger.flush()
+
+    def _storage_failure(self) -> str | None:
+        failure = self.blobs.failure
+        if failure is None:
+            return None
+        return f"{self.blobs.root} cannot be written ({failure.strerror or failure})"
 
     # The parts' state that the server, the command line and the tests read.
 

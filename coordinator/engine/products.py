@@ -247,7 +247,7 @@ class Products:
             # Off the event loop: cutting a large operand into panels copies all of it.
             rows, cols = panels(a, b, gemm.trans_a, gemm.trans_b, gemm.tile, gemm.m, gemm.n)
             encoded = [kernels.encode_array(p) for p in (*rows, *cols)]
-            ids = self.blobs.put_many([(data, None) for data in encoded], keep=True)
+            ids = self.blobs.put_many([(data, None) for data in encoded], keep=True, behind=True)
             for panel_id, data in zip(ids, encoded, strict=True):
                 self.ledger.panel_bytes[panel_id] = len(data)
             return ids[: len(rows)], ids[len(rows) :]

@@ -156,9 +156,9 @@ class Reports:
         # Checked against their hashes at the edge (_check_tile): each is hashed once. Kept
         # in memory for the validator, which reads them next.
         try:
-            self.blobs.put_many([(tile, h) for h, tile in tiles], keep=True, verified=True)
-        except OSError as exc:
-            log.error("blob store %s cannot be written: %s", self.blobs.root, exc)
+            pairs = [(tile, h) for h, tile in tiles]
+            self.blobs.put_many(pairs, keep=True, verified=True, behind=True)
+        except OSError as exc:  # the blob writer has logged it, once
             raise StorageUnavailable(
                 f"the coordinator cannot store tiles just now (blob store: {exc.strerror}); "
                 f"send the report again in {STORAGE_RETRY:.0f} s",

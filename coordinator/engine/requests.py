@@ -177,7 +177,7 @@ class WorkRequests:
             for blob in (a["a"], a["b"]):
                 if blob in cached or blob in inline:
                     continue
-                data = self.blobs.recent.get(blob)
+                data = self.blobs.in_memory(blob)
                 if data is None or size + len(data) > INLINE_BYTES:
                     continue
                 inline[blob] = data

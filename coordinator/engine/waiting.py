@@ -1,5 +1,5 @@
-"""Why work waits: a paused project, no volunteers, volunteers too small for the tiles, or
-too few of them for the validation policy.
+"""Why work waits: a paused project, a blob store that cannot be written, no volunteers,
+volunteers too small for the tiles, or too few of them for the validation policy.
 
 Checked once a second. A change is said once: a warning in the log when work starts to wait
 (an info line when it flows again) and a `wait` event (`waiting` or `flowing`), so that
@@ -27,7 +27,7 @@ MB = 1 << 20
 
 @dataclass(frozen=True, slots=True)
 class Wait:
-    reason: str  # paused | no_volunteers | hosts_too_small | needs_hosts
+    reason: str  # paused | storage | no_volunteers | hosts_too_small | needs_hosts
     message: str
     tiles: int = 0  # results waiting to be sent
     since: float = 0.0
@@ -41,13 +41,21 @@ class Wait:
         }
 
 
-def explain(ledger: Ledger, paused: bool, now: float) -> Wait | None:
-    """Why the unsent work is not going out, or None when it is (or there is none)."""
+def explain(ledger: Ledger, paused: bool, now: float, storage: str | None = None) -> Wait | None:
+    """Why the unsent work is not going out, or None when it is (or there is none).
+    `storage`: what the blob store's writer last failed with, if it is failing."""
     if paused:
         return Wait(
             "paused",
             "the project is paused by its operator: no new work goes out "
             "(tilehive admin resume URL --project DIR)",
+        )
+    if storage is not None:
+        return Wait(
+            "storage",
+            f"work waits for the blob store: {storage}; tiles and new products are refused "
+            "until it can be written again (free space, or fix the disk), then work goes on",
+            len(ledger.unsent),
         )
     if not ledger.unsent:
         return None
@@ -122,9 +130,10 @@ def _live(results) -> int:
 class Waiting:
     """The current reason work waits, said once per change."""
 
-    def __init__(self, ledger: Ledger, paused) -> None:
+    def __init__(self, ledger: Ledger, paused, storage=lambda: None) -> None:
         self.ledger = ledger
         self.paused = paused  # the Coordinator's switch
+        self.storage = storage  # the blob store's failure, as a message, or None
         self.current: Wait | None = None
         self._seen: str | None = None  # the reason found by the previous look
 
@@ -132,7 +141,7 @@ class Waiting:
         """Look again; True when the reason changed (and was logged). A new reason counts
         once two looks in a row find it (a moment between two products is no wait); a
         pause, the operator's own doing, and the end of a wait count at once."""
-        found = explain(self.ledger, self.paused(), now)
+        found = explain(self.ledger, self.paused(), now, self.storage())
         reason = found.reason if found is not None else None
         seen, self._seen = self._seen, reason
         before = self.current

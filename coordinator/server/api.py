@@ -182,7 +182,7 @@ async def blob(request: web.Request) -> web.StreamResponse:
     blob_id = request.match_info["blob_id"]
     if not is_blob_id(blob_id):
         raise protocol.BadRequest(f"malformed blob id {blob_id!r:.80}")
-    data = co.blobs.recent.get(blob_id)
+    data = co.blobs.in_memory(blob_id)
     if data is not None:
         return web.Response(body=data, headers={"Content-Type": "application/octet-stream"})
     path = co.blobs.path(blob_id)

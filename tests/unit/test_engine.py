@@ -270,3 +270,16 @@ async def test_a_checkpoint_purges_earlier_steps_and_archives_their_events(tmp_p
         archived = [json.loads(line) for line in f]
     assert {e["step"] for e in archived} == {1}
     assert any(e["kind"] == "validation" and e["state"] == "valid" for e in archived)
+
+
+async def test_a_blob_store_that_cannot_be_written_is_why_work_waits(engine):
+    """The blob writer's failure is said once, as the reason work waits, and clears with it."""
+    engine.blobs.failure = OSError(28, "No space left on device")
+    now = time.time()
+    engine.waiting.check(now)  # a new reason counts on the second look in a row
+    assert engine.waiting.check(now + 1)
+    wait = engine.waiting.current
+    assert wait.reason == "storage"
+    assert "cannot be written (No space left on device)" in wait.message
+    engine.blobs.failure = None
+    assert engine.waiting.check(now + 2) and engine.waiting.current is None
