@@ -57,7 +57,8 @@ def _canonical(x: np.ndarray) -> tuple[np.ndarray, bytes]:
 def encode_array(x: np.ndarray) -> bytes:
     """The canonical blob of an array (header + little-endian C-order bytes)."""
     data, header = _canonical(np.asarray(x))
-    return header + data.tobytes()
+    # One copy of the data (a panel is megabytes): not tobytes() and then a concatenation.
+    return b"".join((header, memoryview(data).cast("B") if data.size else b""))
 
 
 def array_id(x: np.ndarray) -> str:

@@ -246,8 +246,14 @@ class Products:
         def store_panels() -> tuple[list[str], list[str]]:
             # Off the event loop: cutting a large operand into panels copies all of it.
             rows, cols = panels(a, b, gemm.trans_a, gemm.trans_b, gemm.tile, gemm.m, gemm.n)
+            # A panel that is its whole operand (a product in one tile row or column) is
+            # named by the operand's id, already hashed: each blob is hashed once.
+            named = [gemm.a_id if len(rows) == 1 else None] * len(rows)
+            named += [gemm.b_id if len(cols) == 1 else None] * len(cols)
             encoded = [kernels.encode_array(p) for p in (*rows, *cols)]
-            ids = self.blobs.put_many([(data, None) for data in encoded], keep=True, behind=True)
+            ids = self.blobs.put_many(
+                list(zip(encoded, named, strict=True)), keep=True, verified=True, behind=True
+            )
             for panel_id, data in zip(ids, encoded, strict=True):
                 self.ledger.panel_bytes[panel_id] = len(data)
             return ids[: len(rows)], ids[len(rows) :]

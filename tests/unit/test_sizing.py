@@ -65,6 +65,8 @@ async def test_a_product_cut_for_the_crowd_has_the_kernels_bits(tmp_path, rng):
         reply = msgpack.unpackb(await co.requests.request_work(host, request, time.time()))
         (assignment,) = reply["assignments"]
         assert (assignment["m"], assignment["n"]) == (64, 48)
+        for panel in (assignment["a"], assignment["b"]):  # named by the operands' ids
+            kernels.verify_blob(co.blobs.get(panel), panel)
         tile = kernels.gemm(
             co.blobs.get_array(assignment["a"]), co.blobs.get_array(assignment["b"]), trans_a=True
         )
