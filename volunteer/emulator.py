@@ -247,6 +247,12 @@ class HeldBlobs(BlobCache):
         super().put(blob_id, len(data))
 
 
+def _inline_bytes(reply: object) -> int:
+    if not isinstance(reply, dict) or not isinstance(reply.get("blobs"), dict):
+        return 0
+    return sum(len(data) for data in reply["blobs"].values() if isinstance(data, bytes))
+
+
 class EmulatedHost(PullLoop):
     """One volunteer: the pull loop (volunteer/loop.py) on modelled hardware and network.
 
@@ -294,6 +300,12 @@ class EmulatedHost(PullLoop):
                 totals.queued.append(clock[0])
             if endpoint != "work" or reply is None:
                 totals.latencies.add(endpoint, self.last_seconds)
+        # Operand panels inside the answer (its own, or that of the work request riding on
+        # a report) come down at the host's bandwidth, as fetched ones do.
+        work = reply.get("work") if isinstance(reply, dict) else None
+        inline = _inline_bytes(reply) + _inline_bytes(work)
+        if inline:
+            await asyncio.sleep(inline * 8 / (t.download_mbps * 1e6))
         return reply
 
     def _heard(self, reply: dict[str, Any], wait: bool) -> None:

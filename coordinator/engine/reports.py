@@ -218,7 +218,9 @@ class Reports:
             )
             self.stats["tiles_in"] += 1
             if result.sent_time is not None and not late:
-                self.crowd.observe(now - result.sent_time, entry.seconds)
+                m, n, k = wu.shape
+                moved = 4 * (m * k + k * n + (m * n if has_tile else 0))
+                self.crowd.observe(now - result.sent_time, entry.seconds, moved)
             what = "tile" if has_tile else "hash"
             message = f"{what} {entry.output_hash[:16]} in {entry.seconds:.2f}s"
             state, message = "success", ("late " if late else "") + message

@@ -123,7 +123,9 @@ class WorkRequests:
                     "note": "the project is paused by its operator",
                 }
             )
-        plan = self.scheduler.plan(host, request, now)
+        # Other hosts waiting for work get their share of a product: one host does not take
+        # all of its tiles while the rest idle (sized work cut it for all of them).
+        plan = self.scheduler.plan(host, request, now, others=self.waiters.hosts)
         deadline = time.monotonic() + self.config.long_poll
         while not plan.assignments and plan.room > 0 and request.wait:
             remaining = deadline - time.monotonic()
@@ -133,7 +135,7 @@ class WorkRequests:
                 return self._finished(host, request)
             now = time.time()
             host = self.ledger.hosts[host.id]
-            plan = self.scheduler.plan(host, request, now)
+            plan = self.scheduler.plan(host, request, now, others=self.waiters.hosts - 1)
             if not plan.assignments and self.ledger.unsent:
                 # Work is there, but none this host may take (it holds a replica, or lacks
                 # the memory): answer now rather than be woken again and again for it. The

@@ -21,6 +21,11 @@ class Waiters:
     def __len__(self) -> int:
         return len(self._waiting)
 
+    @property
+    def hosts(self) -> int:
+        """Requests waiting for work or woken and re-planning: hosts that want work now."""
+        return len(self._waiting) + self._woken
+
     async def wait(self, timeout: float) -> bool:
         """Wait until woken (True) or for `timeout` seconds (False)."""
         waiter = asyncio.get_running_loop().create_future()

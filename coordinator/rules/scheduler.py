@@ -149,7 +149,9 @@ class Scheduler:
         self.config = config
         self.rng = rng
 
-    def plan(self, host: Host, request: WorkRequest, now: float) -> Plan:
+    def plan(self, host: Host, request: WorkRequest, now: float, others: int = 0) -> Plan:
+        """`others`: how many other hosts want work just now; this one then takes no more
+        than its share of each product's unsent results."""
         plan = Plan()
         ledger = self.ledger
         listed = set(request.in_progress)
@@ -178,18 +180,34 @@ class Scheduler:
             return plan
         cached = set(request.cached)
         preferred = cached if self.config.cache_preference else set()
+        taken: dict[str, int] = {}  # results of each product given in this plan
+        shares: dict[str, int] = {}
         for result_id in self._candidates(preferred):
             if room <= 0:
                 break
+            if others > 0:
+                gemm = self._gemm_of(result_id)
+                if gemm is not None:
+                    if gemm not in shares:
+                        unsent = self.ledger.unsent_of_gemm[gemm]
+                        shares[gemm] = math.ceil(unsent / (others + 1))
+                    if taken.get(gemm, 0) >= shares[gemm]:
+                        continue
             assignment = self._try_assign(host, result_id, now, plan, held=in_progress)
             if assignment is None:
                 continue
             saved = {assignment.wu.a_panel, assignment.wu.b_panel} & cached
             plan.bytes_saved += sum(ledger.panel_bytes.get(p, 0) for p in saved)
             plan.assignments.append(assignment)
+            taken[assignment.wu.gemm_id] = taken.get(assignment.wu.gemm_id, 0) + 1
             in_progress += 1
             room -= 1
         return plan
+
+    def _gemm_of(self, result_id: str) -> str | None:
+        result = self.ledger.results.get(result_id)
+        wu = self.ledger.wus.get(result.wu_id) if result is not None else None
+        return wu.gemm_id if wu is not None else None
 
     def _candidates(self, cached: set[str]):
         """Unsent results: first those using the most cached panels, then oldest first."""

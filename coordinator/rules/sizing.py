@@ -2,10 +2,10 @@
 
 The kernel is tiling-invariant (each output element is reduced over K in an order that
 depends on K alone), so the tile decides how a product is cut and never a bit of its result.
-What it does decide is the time: every tile costs a round trip, a fetch and a report on top
-of its arithmetic, and the coordinator's own bookkeeping per result. A few fast hosts finish
-a product soonest in a few large tiles; many slow ones, in more, smaller tiles that all of
-them can work on at once.
+What it does decide is the time: every tile costs a round trip, its panels' download and its
+upload on top of its arithmetic, and the coordinator's own bookkeeping per result. A few
+fast hosts finish a product soonest in a few large tiles; many slow ones, in more, smaller
+tiles that all of them can work on at once.
 
 `choose_tile` estimates a product's time for each candidate tile (the project's tile times
 a power of two, up to one tile for the whole product) and takes the largest tile within
@@ -26,8 +26,9 @@ class Crowd:
 
     hosts: int  # hosts in recent contact, not quarantined (at least 1 is assumed)
     gflops: float  # their median measured speed
-    overhead: float  # seconds a tile costs a host beyond its arithmetic: round trip and I/O
+    overhead: float  # seconds a tile costs a host beyond its arithmetic and its bytes
     memory_bytes: int = 0  # the smallest memory for work among them; 0: no limit given
+    seconds_per_byte: float = 0.0  # moving a tile's panels down and the tile up
 
 
 @dataclass(frozen=True, slots=True)
@@ -44,6 +45,11 @@ def tile_memory(tm: int, tn: int, k: int) -> int:
     return 4 * (tm * k + k * tn) + 12 * tm * tn
 
 
+def tile_bytes(tm: int, tn: int, k: int) -> int:
+    """Bytes a tile moves: both panels down and the tile up (float32)."""
+    return 4 * (tm * k + k * tn + tm * tn)
+
+
 def estimate(
     m: int, n: int, k: int, tile: int, crowd: Crowd, replicas: int, config: SizingConfig
 ) -> float:
@@ -52,7 +58,11 @@ def estimate(
     tm, tn = min(tile, m), min(tile, n)
     tiles = math.ceil(m / tile) * math.ceil(n / tile)
     results = tiles * replicas
-    per_tile = 2.0 * tm * tn * k / (max(crowd.gflops, 1e-3) * 1e9) + crowd.overhead
+    per_tile = (
+        2.0 * tm * tn * k / (max(crowd.gflops, 1e-3) * 1e9)
+        + crowd.overhead
+        + crowd.seconds_per_byte * tile_bytes(tm, tn, k)
+    )
     waves = math.ceil(results / max(crowd.hosts, 1))
     return max(waves * per_tile, results * config.coordinator_seconds)
 

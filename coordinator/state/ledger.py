@@ -46,6 +46,7 @@ class Ledger:
         # Unsent results, oldest first, and the same indexed by operand panel.
         self.unsent: dict[str, None] = {}
         self.unsent_by_panel: dict[str, dict[str, None]] = defaultdict(dict)
+        self.unsent_of_gemm: Counter[str] = Counter()
         self.panel_bytes: dict[str, int] = {}
         # (transition_time, wu id): work units the transitioner must look at by then.
         self.due: list[tuple[float, str]] = []
@@ -142,6 +143,7 @@ class Ledger:
         if r.server_state is ServerState.UNSENT:
             self.unsent[r.id] = None
             wu = self.wus[r.wu_id]
+            self.unsent_of_gemm[wu.gemm_id] += 1
             self.unsent_by_panel[wu.a_panel][r.id] = None
             self.unsent_by_panel[wu.b_panel][r.id] = None
             if self.on_unsent is not None:
@@ -153,6 +155,9 @@ class Ledger:
         if r.server_state is ServerState.UNSENT:
             self.unsent.pop(r.id, None)
             wu = self.wus[r.wu_id]
+            self.unsent_of_gemm[wu.gemm_id] -= 1
+            if not self.unsent_of_gemm[wu.gemm_id]:
+                del self.unsent_of_gemm[wu.gemm_id]
             for panel in (wu.a_panel, wu.b_panel):
                 index = self.unsent_by_panel.get(panel)
                 if index is not None:

@@ -162,6 +162,19 @@ def test_a_host_never_gets_two_replicas_of_one_work_unit():
     assert assigned(other) == ["wu-1-r1"]
 
 
+def test_a_host_takes_only_its_share_of_a_product_while_others_wait_for_work():
+    """Eight single-replica tiles of one product; three other hosts are waiting: this one
+    gets two, not all eight (sized work cut the product for the crowd). Alone, it gets all."""
+    wus = [make_wu(i, target_nresults=1, min_quorum=1) for i in range(8)]
+    ledger = make_ledger(wus, replicas=1)
+    sched = scheduler(ledger)
+    shared = sched.plan(make_host(1), request(), NOW, others=3)
+    alone = sched.plan(make_host(2), request(), NOW)
+    assert len(shared.assignments) == 2
+    assert len(alone.assignments) == 6
+    assert ledger.unsent_of_gemm["gemm-1"] == 0
+
+
 @pytest.mark.parametrize(
     ("outcome", "received"),
     [

@@ -11,6 +11,7 @@ import numpy as np
 import kernels
 from coordinator.engine.config import CoordinatorConfig
 from coordinator.engine.coordinator import Coordinator
+from coordinator.engine.crowd import FIRST_OVERHEAD, CrowdWatch
 from coordinator.rules.sizing import Crowd, SizingConfig, choose_tile, tile_memory
 from coordinator.state.memory import MemoryStore
 from coordinator.work.protocol import RegisterRequest, ReportRequest, ResultReport, WorkRequest
@@ -29,6 +30,29 @@ def test_many_slow_hosts_over_a_slow_network_share_a_large_product():
     # 64 tiles of 256 for 100 phones: each gets about one; one tile would take minutes.
     crowd = Crowd(hosts=100, gflops=1.0, overhead=0.1)
     assert choose_tile(2048, 2048, 2048, 256, crowd, 1, CONFIG) == 256
+
+
+def test_hosts_on_a_slow_uplink_share_a_small_product_that_one_would_take_whole():
+    # tiny-gpt's 512x384 product, 30 ms away, 20 Mbit/s up: one host takes it whole (its
+    # panels once); ten split it, each uploading a part.
+    slow = 8 / 20e6
+    one = Crowd(hosts=1, gflops=25.0, overhead=0.03, seconds_per_byte=slow)
+    ten = Crowd(hosts=10, gflops=25.0, overhead=0.03, seconds_per_byte=slow)
+    assert choose_tile(512, 384, 128, 128, one, 1, CONFIG) == 512
+    assert choose_tile(512, 384, 128, 128, ten, 1, CONFIG) == 128
+
+
+def test_the_crowd_watch_learns_a_fixed_and_a_per_byte_cost():
+    watch = CrowdWatch(ledger=None)
+    assert watch.cost() == (FIRST_OVERHEAD, 0.0)
+    for nbytes in [100_000, 1_000_000, 400_000, 2_000_000] * 20:
+        watch.observe(0.5 + 0.03 + nbytes * 1e-7, 0.5, nbytes)  # 0.5 s computing
+    overhead, per_byte = watch.cost()
+    assert abs(overhead - 0.03) < 1e-3 and abs(per_byte - 1e-7) < 1e-9
+    same = CrowdWatch(ledger=None)
+    for _ in range(10):
+        same.observe(0.05, 0.0, 1000)  # one size only: no slope to tell, the mean
+    assert same.cost() == (0.05, 0.0)
 
 
 def test_the_crowds_memory_caps_the_tile():
