@@ -205,7 +205,7 @@ async def _train(
                 )
                 return 1
             log.info("training done: %d steps; checkpoints in %s", steps, project.checkpoints)
-            coordinator.requests.finish()
+            coordinator.finish(time.time())
             if keep_serving:
                 announce(f"training done; still serving {url} (Ctrl-C to stop)")
                 await stopper

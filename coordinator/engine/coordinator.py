@@ -162,6 +162,11 @@ class Coordinator:
             if self.waiting.check(time.time()):
                 await self.ledger.flush()
 
+    def finish(self, now: float) -> None:
+        """Training is done: every work request is answered `finished` from now on."""
+        self.requests.finish()
+        self.waiting.end(now)
+
     def _storage_failure(self) -> str | None:
         failure = self.blobs.failure
         if failure is None:

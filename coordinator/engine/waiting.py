@@ -159,11 +159,21 @@ class Waiting:
             data = json.dumps({"reason": found.reason})
             self.ledger.log([Event(now, "wait", "waiting", found.message, data=data)])
         else:
-            self.current = None
-            message = f"work flows again (it waited {now - before.since:.0f}s: {before.reason})"
-            log.info(message)
-            self.ledger.log([Event(now, "wait", "flowing", message)])
+            self._flowing(before, now)
         return True
+
+    def end(self, now: float) -> None:
+        """Training is done: a wait that was said ends now, not at a next look that a
+        coordinator about to exit never takes."""
+        if self.current is not None:
+            self._flowing(self.current, now)
+        self._seen = None
+
+    def _flowing(self, before: Wait, now: float) -> None:
+        self.current = None
+        message = f"work flows again (it waited {now - before.since:.0f}s: {before.reason})"
+        log.info(message)
+        self.ledger.log([Event(now, "wait", "flowing", message)])
 
     def note(self) -> str | None:
         """What a host that got no work is told: why the project's work waits, if it does."""
