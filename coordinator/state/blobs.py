@@ -233,19 +233,15 @@ class BlobStore:
                 self._cond.notify_all()
 
     def drain(self, timeout: float | None = None) -> bool:
-        """Wait until every blob written behind is on disk; False if `timeout` came first
-        (or the writer is failing)."""
+        """Wait until every blob written behind is on disk; False if `timeout` came first."""
         with self._cond:
-            return (
-                self._cond.wait_for(
-                    lambda: not self._unwritten or self.failure is not None, timeout
-                )
-                and not self._unwritten
-            )
+            return self._cond.wait_for(lambda: not self._unwritten, timeout)
 
     def close(self, timeout: float = 10.0) -> None:
-        """Write what is waiting (up to `timeout` seconds), then stop the writer."""
-        self.drain(timeout)
+        """Write what is waiting (up to `timeout` seconds, unless the disk is failing), then
+        stop the writer; what is left is as after a crash (docs/architecture.md)."""
+        if self.failure is None:
+            self.drain(timeout)
         with self._cond:
             self._closed = True
             self._unwritten.clear()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import time
 
 import numpy as np
 import pytest
@@ -58,3 +59,38 @@ def test_a_batch_that_fails_part_way_leaves_whole_blobs_or_none(tmp_path, monkey
             with pytest.raises(BlobNotFound):
                 store.get(blob)
     assert not list(tmp_path.rglob(".tmp-*"))
+
+
+def test_blobs_written_behind_are_readable_at_once_and_reach_the_disk(tmp_path, monkeypatch):
+    store = BlobStore(tmp_path, max_blob_bytes=1 << 20)
+    blobs = tiles(8, seed=2)
+    real_write = BlobStore._write
+    failing = [True]
+
+    def write(final, data):  # the disk is full until the test frees it
+        if failing[0]:
+            raise OSError(28, "No space left on device")
+        real_write(final, data)
+
+    monkeypatch.setattr(BlobStore, "_write", staticmethod(write))
+    ids = store.put_many([(data, None) for data in blobs[:4]], behind=True)
+    # Readable at once, from memory, whatever the disk does.
+    assert [store.get(blob) for blob in ids] == blobs[:4] and all(map(store.has, ids))
+    deadline = time.monotonic() + 30
+    while store.failure is None and time.monotonic() < deadline:
+        time.sleep(0.01)  # polling the writer's state, with a deadline
+    assert isinstance(store.failure, OSError)  # the writer met the fault: nothing is lost...
+    assert all(map(store.has, ids))
+    with pytest.raises(OSError, match="No space left"):  # ...and new blobs wait for it
+        store.put_many([(blobs[4], None)], behind=True)
+    failing[0] = False
+    assert store.drain(timeout=30)  # the writer tries again every WRITE_RETRY seconds
+    assert store.failure is None
+    store.put_many([(data, None) for data in blobs[4:]], behind=True)
+    store.delete(ids[0])
+    store.close()
+    # On disk, read back and checked against their ids, except the one deleted.
+    fresh = BlobStore(tmp_path, max_blob_bytes=1 << 20)
+    assert [fresh.get(kernels.blob_id(data)) for data in blobs[1:]] == blobs[1:]
+    with pytest.raises(BlobNotFound):
+        fresh.get(ids[0])
