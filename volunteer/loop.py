@@ -209,22 +209,24 @@ class PullLoop(CoordinatorSession):
     async def _ask(self, room: int) -> dict[str, Any]:
         wait_for_work = self.long_poll and not self.queue
         request_id = f"{self._session_id}-{next(self._requests)}"
-        message = {
-            "capacity": room,
-            "cached": self.cache.ids()[:MAX_CACHED_IDS],
-            "in_progress": self._in_progress(),
-            "gflops": self.gflops,
-            "wait": wait_for_work,
-        }
         # Reports beyond one batch go first; the last batch carries the request, and the
         # answer to it comes back with the report's: one round trip per product, not two.
         while len(report_batch(self.pending)) < len(self.pending):
             await self._flush()
+        riding = {r["result_id"] for r in self.pending}  # reported by the same request
+        message = {
+            "capacity": room,
+            "cached": self.cache.ids()[:MAX_CACHED_IDS],
+            "in_progress": [r for r in self._in_progress() if r not in riding],
+            "gflops": self.gflops,
+            "wait": wait_for_work,
+        }
         reply = None
         if self.pending:
             answer = await self._flush({"request_id": request_id, **message})
             reply = None if answer is None else answer.get("work")
         if not isinstance(reply, dict):  # nothing to report, or refused with its report
+            message["in_progress"] = self._in_progress()
             reply = await self._call(
                 "work", lambda: self.client.request_work(request_id, **message)
             )
