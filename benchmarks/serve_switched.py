@@ -129,7 +129,8 @@ async def run(args: argparse.Namespace) -> dict:
         per_product: list[float] = []
         steps = 0
         if args.train:
-            code = await _train(coordinator, project, url, keep_serving=False)
+            stop = asyncio.Event()  # never set: the benchmark trains to the end
+            code = await _train(coordinator, project, url, False, stop)
             if code != 0:
                 raise SystemExit(f"training failed with exit code {code}")
             steps = project.training.steps
