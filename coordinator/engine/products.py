@@ -244,7 +244,7 @@ class Products:
         """Store the operand panels as blobs, then commit the GEMM and its work units."""
 
         def store_panels() -> tuple[list[str], list[str]]:
-            # Off the event loop: cutting a large operand into panels copies all of it.
+            # Off the event loop when large (offload): cutting an operand copies all of it.
             rows, cols = panels(a, b, gemm.trans_a, gemm.trans_b, gemm.tile, gemm.m, gemm.n)
             # A panel that is its whole operand (a product in one tile row or column) is
             # named by the operand's id, already hashed: each blob is hashed once.

@@ -10,7 +10,9 @@ BOINC's rules and the fixes for what its users complain about:
   and one the coordinator no longer needs is aborted: no ghost tasks;
 - adaptive replication: a host with CV consecutive valid results gets a work unit alone
   with probability 1 - 1/CV, and that tile is always Freivalds-checked;
-- tail acceleration: spare replicas at the end of a GEMM go only to fast, reliable hosts.
+- tail acceleration: spare replicas at the end of a GEMM go only to fast, reliable hosts;
+- while other hosts wait for work, a host takes only its share of each product's unsent
+  results (the product was cut for all of them: rules/sizing.py).
 """
 
 from __future__ import annotations
