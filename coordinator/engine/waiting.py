@@ -11,6 +11,7 @@ from __future__ import annotations
 import itertools
 import json
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from coordinator.rules.scheduler import memory_need, takes_replacement
@@ -130,7 +131,12 @@ def _live(results) -> int:
 class Waiting:
     """The current reason work waits, said once per change."""
 
-    def __init__(self, ledger: Ledger, paused, storage=lambda: None) -> None:
+    def __init__(
+        self,
+        ledger: Ledger,
+        paused: Callable[[], bool],
+        storage: Callable[[], str | None] = lambda: None,
+    ) -> None:
         self.ledger = ledger
         self.paused = paused  # the Coordinator's switch
         self.storage = storage  # the blob store's failure, as a message, or None
