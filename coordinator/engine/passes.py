@@ -21,7 +21,7 @@ from coordinator.engine.metrics import Metrics
 from coordinator.engine.offload import offload
 from coordinator.engine.products import Products, new_result_id
 from coordinator.engine.reports import quarantine_event
-from coordinator.rules import trust, validator
+from coordinator.rules import sizing, trust, validator
 from coordinator.rules.transitioner import transition
 from coordinator.state.blobs import BlobStore
 from coordinator.state.ledger import Ledger
@@ -312,7 +312,7 @@ class Passes:
 
 def check_bytes(wus: list[WorkUnit]) -> int:
     """Bytes a Freivalds check of these work units' tiles reads: tile and both panels."""
-    return sum(4 * (m * n + m * k + k * n) for m, n, k in (wu.shape for wu in wus))
+    return sum(sizing.tile_bytes(*wu.shape) for wu in wus)
 
 
 def validation_method(wu: WorkUnit) -> str:

@@ -13,7 +13,7 @@ from coordinator.engine.config import CoordinatorConfig
 from coordinator.engine.crowd import CrowdWatch
 from coordinator.engine.metrics import Metrics
 from coordinator.engine.offload import offload
-from coordinator.rules import trust
+from coordinator.rules import sizing, trust
 from coordinator.state.blobs import BlobStore
 from coordinator.state.ledger import Ledger
 from coordinator.state.store import Store
@@ -218,8 +218,7 @@ class Reports:
             )
             self.stats["tiles_in"] += 1
             if result.sent_time is not None and not late:
-                m, n, k = wu.shape
-                moved = 4 * (m * k + k * n + (m * n if has_tile else 0))
+                moved = sizing.tile_bytes(*wu.shape, upload=has_tile)
                 self.crowd.observe(now - result.sent_time, entry.seconds, moved)
             what = "tile" if has_tile else "hash"
             message = f"{what} {entry.output_hash[:16]} in {entry.seconds:.2f}s"

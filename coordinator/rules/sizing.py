@@ -45,9 +45,10 @@ def tile_memory(tm: int, tn: int, k: int) -> int:
     return 4 * (tm * k + k * tn) + 12 * tm * tn
 
 
-def tile_bytes(tm: int, tn: int, k: int) -> int:
-    """Bytes a tile moves: both panels down and the tile up (float32)."""
-    return 4 * (tm * k + k * tn + tm * tn)
+def tile_bytes(tm: int, tn: int, k: int, upload: bool = True) -> int:
+    """Bytes a tile moves: both panels down and (`upload`) the tile up, float32; also what
+    a Freivalds check of it reads."""
+    return 4 * (tm * k + k * tn + (tm * tn if upload else 0))
 
 
 def estimate(
