@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 import kernels
+from coordinator.engine import offload
 from coordinator.engine.products import GemmFailed
 from coordinator.rules.access import AccessConfig
 from coordinator.work.protocol import NotFound
@@ -96,10 +97,12 @@ async def test_cancelling_a_step_aborts_its_work_and_a_restart_runs_it_again(tmp
 
 
 async def test_a_cancel_while_the_last_tile_is_read_waits_for_that_pass_and_the_loop_lives(
-    tmp_path, rng
+    tmp_path, rng, monkeypatch
 ):
     """The background pass awaits while it reads a tile; a cancel in that gap must neither
     be overwritten by 'done' nor kill the loop (it did: a KeyError, and a hung exit)."""
+    # A tile this small is checked on the loop; the gap exists where a large one is read.
+    monkeypatch.setattr(offload, "INLINE_BYTES", 0)
     a, b = operands(rng, 16, 16, 8, False, False)
     async with running(tmp_path, tile=16, policy=Policy.FREIVALDS) as (co, queue, url):
         reading, release = threading.Event(), threading.Event()
