@@ -1,18 +1,28 @@
-"""The Store on SQLite through aiosqlite: WAL, foreign keys, one writer connection."""
+"""The Store on SQLite: WAL, foreign keys, one connection owned by one thread.
+
+Every operation is one function run on the store's thread: a transaction of many
+statements is one hop from the event loop and back, not one per statement. (aiosqlite,
+which this replaced, hops per call: a commit of six statements cost 0.7 ms against 0.15 ms,
+and a step commits about 140 times.)
+"""
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import re
+import sqlite3
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from importlib import resources
 from pathlib import Path
-from typing import Any
-
-import aiosqlite
+from typing import Any, TypeVar
 
 from coordinator.state.queries import QueryStore, load_queries
 
 log = logging.getLogger(__name__)
+
+T = TypeVar("T")
 
 
 def migrations() -> list[tuple[int, str]]:
@@ -32,53 +42,72 @@ class SqliteStore(QueryStore):
 
     def __init__(self, path: Path | str) -> None:
         self.path = Path(path)
-        self._db: aiosqlite.Connection | None = None
+        self._db: sqlite3.Connection | None = None
+        self._thread: ThreadPoolExecutor | None = None
         self._sql = load_queries()
 
-    @property
-    def db(self) -> aiosqlite.Connection:
-        if self._db is None:
+    async def _run(self, work: Callable[[sqlite3.Connection], T]) -> T:
+        if self._db is None or self._thread is None:
             raise RuntimeError("store is not open")
-        return self._db
+        db = self._db
+        return await asyncio.get_running_loop().run_in_executor(self._thread, work, db)
 
     async def open(self) -> None:
-        self._db = await aiosqlite.connect(self.path, isolation_level=None)
-        self._db.row_factory = aiosqlite.Row
-        await self._db.execute("PRAGMA journal_mode=WAL")
-        await self._db.execute("PRAGMA synchronous=NORMAL")
-        await self._db.execute("PRAGMA foreign_keys=ON")
-        await self._migrate()
+        # One worker: SQLite's connection belongs to the thread that made it.
+        self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tilehive-sqlite")
+        loop = asyncio.get_running_loop()
+        try:
+            self._db = await loop.run_in_executor(self._thread, self._connect)
+            await self._migrate()
+        except BaseException:
+            await self.close()
+            raise
+
+    def _connect(self) -> sqlite3.Connection:
+        db = sqlite3.connect(self.path, isolation_level=None)
+        db.row_factory = sqlite3.Row
+        db.execute("PRAGMA journal_mode=WAL")
+        db.execute("PRAGMA synchronous=NORMAL")
+        db.execute("PRAGMA foreign_keys=ON")
+        return db
 
     async def _migrate(self) -> None:
-        async with self.db.execute("PRAGMA user_version") as cursor:
-            (version,) = await cursor.fetchone()
+        (version,) = (await self._run(lambda db: db.execute("PRAGMA user_version").fetchone()))
         for number, script in migrations():
             if number <= version:
                 continue
             log.info("applying schema migration %04d", number, extra={"db": str(self.path)})
-            await self.db.executescript(
-                f"BEGIN;\n{script}\nPRAGMA user_version = {number};\nCOMMIT;"
-            )
+            sql = f"BEGIN;\n{script}\nPRAGMA user_version = {number};\nCOMMIT;"
+            await self._run(lambda db, sql=sql: db.executescript(sql))
 
     async def close(self) -> None:
-        if self._db is not None:
-            await self._db.close()
-            self._db = None
+        thread, db = self._thread, self._db
+        self._thread = self._db = None
+        if thread is None:
+            return
+        if db is not None:
+            await asyncio.get_running_loop().run_in_executor(thread, db.close)
+        thread.shutdown(wait=True)
 
-    async def _query(self, name: str, **values: Any) -> list[aiosqlite.Row]:
-        async with self.db.execute(self._sql[name], values) as cursor:
-            return list(await cursor.fetchall())
+    async def _query(self, name: str, **values: Any) -> list[sqlite3.Row]:
+        sql = self._sql[name]
+        return await self._run(lambda db: db.execute(sql, values).fetchall())
 
     async def _execute(self, name: str, **values: Any) -> None:
-        await self.db.execute(self._sql[name], values)
+        sql = self._sql[name]
+        await self._run(lambda db: db.execute(sql, values).close())
 
     async def _transaction(self, statements: list[tuple[str, list[dict[str, Any]]]]) -> None:
-        db = self.db
-        await db.execute("BEGIN IMMEDIATE")
-        try:
-            for name, rows in statements:
-                await db.executemany(self._sql[name], rows)
-            await db.execute("COMMIT")
-        except BaseException:
-            await db.execute("ROLLBACK")
-            raise
+        named = [(self._sql[name], rows) for name, rows in statements]
+
+        def transaction(db: sqlite3.Connection) -> None:
+            db.execute("BEGIN IMMEDIATE")
+            try:
+                for sql, rows in named:
+                    db.executemany(sql, rows)
+                db.execute("COMMIT")
+            except BaseException:
+                db.execute("ROLLBACK")
+                raise
+
+        await self._run(transaction)
