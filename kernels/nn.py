@@ -9,6 +9,7 @@ instruction set, or whether the twin ran (docs/kernels.md, "Model kernels").
 
 from __future__ import annotations
 
+import functools
 import os
 from typing import NamedTuple
 
@@ -65,7 +66,13 @@ def default_threads() -> int:
         if threads < 1:
             raise ValueError(f"{THREADS_ENV} must be a positive integer, got {value!r}")
         return threads
-    return max(1, min(MAX_DEFAULT_THREADS, os.cpu_count() or 1))
+    return max(1, min(MAX_DEFAULT_THREADS, _cpu_count()))
+
+
+@functools.cache
+def _cpu_count() -> int:
+    # os.cpu_count() reads /sys on every call, and the model asks before every operation.
+    return os.cpu_count() or 1
 
 
 def _splits(count: int, work_each: int, threads: int | None) -> list[tuple[int, int]]:
