@@ -72,7 +72,7 @@ class SqliteStore(QueryStore):
         return db
 
     async def _migrate(self) -> None:
-        (version,) = (await self._run(lambda db: db.execute("PRAGMA user_version").fetchone()))
+        (version,) = await self._run(lambda db: db.execute("PRAGMA user_version").fetchone())
         for number, script in migrations():
             if number <= version:
                 continue
