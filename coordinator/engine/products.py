@@ -129,7 +129,7 @@ class Products:
             policy=config.policy,
             kernel_version=kernels.KERNEL_VERSION,
         )
-        gid = await self._attempt(describe)
+        gid, stored = await self._attempt(describe)
         if gid in self.outputs:
             result = await asyncio.shield(self.outputs[gid].done)
             return result.copy()
@@ -143,7 +143,7 @@ class Products:
         )
         self.outputs[gid] = output
         try:
-            gemm = self.ledger.gemms.get(gid) or await self.store.gemm(gid)
+            gemm = self.ledger.gemms.get(gid) or stored
             now = time.time()
             if gemm is None:
                 gemm = Gemm(
@@ -214,8 +214,9 @@ class Products:
         crowd = self.crowd.crowd(now)
         return sizing.choose_tile(m, n, k, config.tile, crowd, replicas, config.sizing)
 
-    async def _attempt(self, describe: Callable[..., str]) -> str:
-        """The id of this product's current attempt.
+    async def _attempt(self, describe: Callable[..., str]) -> tuple[str, Gemm | None]:
+        """The id of this product's current attempt, with its record if the store has one
+        (looked up once: a product's lookup is a trip to the store's thread).
 
         A product that failed (or whose step was cancelled) in an earlier run of the
         coordinator is run again as a new GEMM; one that failed in this run stays failed, so
@@ -223,11 +224,11 @@ class Products:
         attempt = 0
         while True:
             gid = describe(attempt=attempt)
-            if gid in self.outputs or gid in self.failed_here:
-                return gid
+            if gid in self.outputs:
+                return gid, None
             gemm = self.ledger.gemms.get(gid) or await self.store.gemm(gid)
-            if gemm is None or gemm.state is not GemmState.FAILED:
-                return gid
+            if gemm is None or gemm.state is not GemmState.FAILED or gid in self.failed_here:
+                return gid, gemm
             attempt += 1
             log.info(
                 "step %d: %s failed in an earlier run; running it again (attempt %d)",
