@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import tempfile
@@ -100,6 +101,8 @@ class BlobStore:
         behind_bytes: int = 256 << 20,
     ) -> None:
         self.root = Path(root)
+        self._root = str(self.root)
+        self._folders: set[str] = set()  # fan-out folders known to exist
         self.max_blob_bytes = max_blob_bytes
         self.root.mkdir(parents=True, exist_ok=True)
         self.recent = RecentBlobs(memory_bytes)
@@ -119,6 +122,9 @@ class BlobStore:
         if not is_blob_id(blob):
             raise ValueError(f"not a blob id: {blob!r}")
         return self.root / blob[:2] / blob
+
+    def _path_of(self, blob: str) -> str:
+        return os.path.join(self._root, blob[:2], blob)  # of an id known to be well formed
 
     def has(self, blob: str) -> bool:
         return blob in self._unwritten or self.path(blob).is_file()
@@ -174,7 +180,7 @@ class BlobStore:
         else:
             for blob, (data, _) in zip(ids, blobs, strict=True):
                 if not self.has(blob):
-                    self._write(self.path(blob), data)
+                    self._write(blob, data)
         if keep:
             for blob, (data, _) in zip(ids, blobs, strict=True):
                 self.recent.add(blob, data)
@@ -190,7 +196,8 @@ class BlobStore:
                 )
                 self._writer.start()
             for blob, data in blobs:
-                if blob in self._unwritten or self.path(blob).is_file():
+                # Whether it is on disk already is the writer's question, off the loop.
+                if blob in self._unwritten:
                     continue
                 self._unwritten[blob] = bytes(data)
                 self._unwritten_size += len(data)
@@ -210,7 +217,8 @@ class BlobStore:
                 blob, data = next(iter(self._unwritten.items()))
                 self._writing = blob
             try:
-                self._write(self.path(blob), data)
+                if not os.path.exists(self._path_of(blob)):
+                    self._write(blob, data)
             except OSError as exc:
                 with self._cond:
                     if self.failure is None:
@@ -248,16 +256,35 @@ class BlobStore:
             self._unwritten_size = 0
             self._cond.notify_all()
 
-    @staticmethod
-    def _write(final: Path, data: bytes) -> None:
-        final.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=final.parent, prefix=".tmp-")
+    def _write(self, blob: str, data: bytes) -> None:
+        """One blob, whole or absent: a temporary file in its folder, renamed into place.
+
+        Plain os calls on strings (four system calls): a coordinator of tiny tiles writes
+        thousands of blobs a second, and pathlib, mkstemp and a folder check on each cost
+        more than the writing (1.8 ms a blob, measured)."""
+        folder = os.path.join(self._root, blob[:2])
+        if folder not in self._folders:
+            os.makedirs(folder, exist_ok=True)
+            self._folders.add(folder)
+        final = os.path.join(folder, blob)
+        # Named for the writing thread: two threads storing the same blob never share one.
+        tmp = os.path.join(folder, f".tmp-{blob[:16]}-{threading.get_ident()}")
         try:
-            with os.fdopen(fd, "wb") as f:
-                f.write(data)
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
+        except FileNotFoundError:
+            self._folders.discard(folder)  # removed under us: made again on the next try
+            raise
+        try:
+            try:
+                view = memoryview(data).cast("B")
+                while view:
+                    view = view[os.write(fd, view) :]
+            finally:
+                os.close(fd)
             os.replace(tmp, final)
         except BaseException:
-            Path(tmp).unlink(missing_ok=True)
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(tmp)
             raise
 
     def delete(self, blob: str) -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import time
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -41,7 +42,7 @@ def test_a_batch_that_fails_part_way_leaves_whole_blobs_or_none(tmp_path, monkey
     def replace_then_fail(src, dst):  # the disk fills up after the third rename
         if len(renamed) == 3:
             raise OSError(28, "No space left on device")
-        renamed.append(dst)
+        renamed.append(Path(dst))
         os.rename(src, dst)
 
     monkeypatch.setattr(os, "replace", replace_then_fail)
@@ -67,12 +68,12 @@ def test_blobs_written_behind_are_readable_at_once_and_reach_the_disk(tmp_path, 
     real_write = BlobStore._write
     failing = [True]
 
-    def write(final, data):  # the disk is full until the test frees it
+    def write(self, blob, data):  # the disk is full until the test frees it
         if failing[0]:
             raise OSError(28, "No space left on device")
-        real_write(final, data)
+        real_write(self, blob, data)
 
-    monkeypatch.setattr(BlobStore, "_write", staticmethod(write))
+    monkeypatch.setattr(BlobStore, "_write", write)
     ids = store.put_many([(data, None) for data in blobs[:4]], behind=True)
     # Readable at once, from memory, whatever the disk does.
     assert [store.get(blob) for blob in ids] == blobs[:4] and all(map(store.has, ids))
