@@ -318,7 +318,12 @@ async def serve(
             raise CannotListen(bind_failure(host, port, exc)) from exc
         raise
     bound_host, bound_port = runner.addresses[0][:2]
-    return runner, f"http://{bound_host}:{bound_port}"
+    return runner, base_url(bound_host, bound_port)
+
+
+def base_url(host: str, port: int) -> str:
+    """The URL of a bound address: an IPv6 address goes in brackets (RFC 3986)."""
+    return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
 
 
 class CannotListen(Exception):

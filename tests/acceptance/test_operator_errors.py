@@ -120,6 +120,23 @@ def test_a_bind_failure_is_one_line_and_touches_nothing(project, busy_port, bind
     assert not (project / "state.db").exists()
 
 
+def test_an_ipv6_bind_announces_a_url_that_works(project, tmp_path, reaper):
+    """The announced URL is what volunteers are given: an IPv6 address needs brackets."""
+    try:
+        with socket.socket(socket.AF_INET6) as probe:
+            probe.bind(("::1", 0))
+    except OSError:
+        pytest.skip("no IPv6 loopback here")
+    coordinator = reaper(start_coordinator(project, "[::1]:0", tmp_path / "c.log"))
+    url = first_url(coordinator)
+    assert url.startswith("http://[::1]:"), url
+    done = tilehive("status", url, "--json")
+    assert done.returncode == 0, done.stderr
+    assert "gemms_active" in json.loads(done.stdout)
+    coordinator.send_signal(signal.SIGINT)
+    assert coordinator.wait(60) == 130
+
+
 def test_sigint_stops_the_coordinator_even_when_asked_twice(project, tmp_path, reaper):
     for attempt in range(2):
         coordinator = reaper(start_coordinator(project, "127.0.0.1:0", tmp_path / "c.log"))
