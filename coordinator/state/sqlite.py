@@ -12,6 +12,7 @@ import asyncio
 import logging
 import re
 import sqlite3
+import threading
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from importlib import resources
@@ -36,6 +37,43 @@ def migrations() -> list[tuple[int, str]]:
     return sorted(found)
 
 
+CHECKPOINT_EVERY = 1.0  # seconds between checkpoints of the WAL into the database file
+# Pages in the WAL at which a commit checkpoints by itself, should the checkpointer fall
+# behind (SQLite's default is 1,000: about twice a tiny-gpt step).
+BACKSTOP_PAGES = 20_000
+
+
+class Checkpointer:
+    """Copies the WAL into the database file on a thread and connection of its own.
+
+    Left to itself, SQLite checkpoints inside whichever commit fills the WAL to 1,000 pages,
+    with two fsyncs: a stall of that commit and of every handler queued behind it, about
+    twice a tiny-gpt step. A passive checkpoint beside the writer takes nothing from it: in
+    WAL mode one connection may commit while another checkpoints."""
+
+    def __init__(self, path: Path, every: float = CHECKPOINT_EVERY) -> None:
+        self._stop = threading.Event()
+        self._thread = threading.Thread(
+            target=self._run, args=(path, every), name="tilehive-checkpoint", daemon=True
+        )
+        self._thread.start()
+
+    def _run(self, path: Path, every: float) -> None:
+        db = sqlite3.connect(path, isolation_level=None)
+        try:
+            while not self._stop.wait(every):
+                try:
+                    db.execute("PRAGMA wal_checkpoint(PASSIVE)").fetchall()
+                except sqlite3.Error as exc:  # busy or failing: the next round tries again
+                    log.warning("checkpoint of %s failed: %s", path, exc)
+        finally:
+            db.close()
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join()
+
+
 class SqliteStore(QueryStore):
     """State in one SQLite file. WAL with synchronous=NORMAL: a killed process loses nothing
     committed (only a power cut could drop the last transactions)."""
@@ -44,6 +82,7 @@ class SqliteStore(QueryStore):
         self.path = Path(path)
         self._db: sqlite3.Connection | None = None
         self._thread: ThreadPoolExecutor | None = None
+        self._checkpointer: Checkpointer | None = None
         self._sql = load_queries()
 
     async def _run(self, work: Callable[[sqlite3.Connection], T]) -> T:
@@ -59,6 +98,7 @@ class SqliteStore(QueryStore):
         try:
             self._db = await loop.run_in_executor(self._thread, self._connect)
             await self._migrate()
+            self._checkpointer = Checkpointer(self.path)
         except BaseException:
             await self.close()
             raise
@@ -69,6 +109,7 @@ class SqliteStore(QueryStore):
         db.execute("PRAGMA journal_mode=WAL")
         db.execute("PRAGMA synchronous=NORMAL")
         db.execute("PRAGMA foreign_keys=ON")
+        db.execute(f"PRAGMA wal_autocheckpoint={BACKSTOP_PAGES}")  # the Checkpointer's job
         return db
 
     async def _migrate(self) -> None:
@@ -81,6 +122,9 @@ class SqliteStore(QueryStore):
             await self._run(lambda db, sql=sql: db.executescript(sql))
 
     async def close(self) -> None:
+        if self._checkpointer is not None:
+            checkpointer, self._checkpointer = self._checkpointer, None
+            await asyncio.to_thread(checkpointer.stop)
         thread, db = self._thread, self._db
         self._thread = self._db = None
         if thread is None:
