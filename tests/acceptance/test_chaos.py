@@ -240,7 +240,7 @@ async def churn(tmp_path: Path, reaper, steps: int, pace: float, crew: int) -> N
 async def test_volunteers_killed_every_second_and_a_half_leave_the_model_bitwise_equal(
     tmp_path, reaper
 ):
-    await churn(tmp_path, reaper, steps=3, pace=1.5, crew=3)
+    await churn(tmp_path, reaper, steps=5, pace=1.5, crew=3)
 
 
 @pytest.mark.slow
