@@ -21,7 +21,7 @@ END = "<!-- benchmarks:end -->"
 class Row:
     """One measured figure: what, how much, against which bar, and what to know about it."""
 
-    area: str  # kernels, validation, coordinator, training, communication, tails, peer
+    area: str  # kernels, coordinator, training, network, transfer, tails, peer, ...
     measure: str
     value: str
     bar: str = ""  # the brief's bar, if it sets one

@@ -262,6 +262,7 @@ AREAS = {
     "arithmetic": lambda quick: module_rows("arithmetic", quick),
     "training": lambda quick: module_rows("training", quick),
     "network": lambda quick: module_rows("network", quick),
+    "transfer": lambda quick: module_rows("transfer", quick),
     "communication": lambda quick: module_rows("communication", quick),
     "tails": lambda quick: module_rows("tails", quick),
     "peer": lambda quick: module_rows("peer_dask", quick),

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import AsyncIterator
 from typing import Any
 
 import aiohttp
@@ -12,6 +13,10 @@ import kernels
 from volunteer.address import not_tilehive
 
 CONTENT_TYPE = "application/msgpack"
+# Bodies this large move in pieces: sent a piece at a time, read into one buffer as they
+# arrive. A whole write has its unsent rest copied into fresh memory, a read's chunks are
+# joined again: on loopback both cost 3x the time (benchmarks/transfer.py).
+PIECE_BYTES = 1 << 20
 BAD_REPLY = "bad_reply"  # a busy or failing server's reply that is not msgpack (a proxy's)
 NOT_TILEHIVE = "not_tilehive"  # any other reply in no tilehive coordinator's words
 
@@ -74,7 +79,12 @@ class CoordinatorClient:
 
     async def _post(self, path: str, message: dict[str, Any]) -> dict[str, Any]:
         body = msgpack.packb(message, use_bin_type=True)
-        async with self.session.post(self.url + path, data=body, headers=self._headers()) as resp:
+        headers = self._headers()
+        data: bytes | AsyncIterator[memoryview] = body
+        if len(body) >= PIECE_BYTES:  # a report of tiles
+            data = in_pieces(body)
+            headers["Content-Length"] = str(len(body))
+        async with self.session.post(self.url + path, data=data, headers=headers) as resp:
             return self._decode(resp, await resp.read(), f"POST {path}")
 
     def _decode(self, resp: aiohttp.ClientResponse, payload: bytes, request: str) -> dict[str, Any]:
@@ -141,20 +151,27 @@ class CoordinatorClient:
             message["gflops"] = gflops
         return await self._post("/v1/work", message)
 
-    async def fetch_blob(self, blob_id: str, *, max_bytes: int) -> bytes:
+    async def fetch_blob(self, blob_id: str, *, max_bytes: int) -> bytes | bytearray:
         """The blob's bytes, verified against its id (kernels.BlobMismatchError if not)."""
+        too_large = f"blob over {max_bytes} bytes"
         async with self.session.get(
             f"{self.url}/v1/blobs/{blob_id}", headers=self._headers()
         ) as resp:
             if resp.status >= 400:
                 self._decode(resp, await resp.read(), "GET /v1/blobs")
-            data = bytearray()
-            async for chunk in resp.content.iter_chunked(1 << 16):
-                data += chunk
-                if len(data) > max_bytes:
-                    raise ServerRefused(resp.status, "too_large", f"blob over {max_bytes} bytes")
+            size = resp.content_length
+            if size is not None:
+                if size > max_bytes:
+                    raise ServerRefused(resp.status, "too_large", too_large)
+                data = await read_into(resp.content, size)
+            else:
+                data = bytearray()
+                async for chunk in resp.content.iter_chunked(1 << 16):
+                    data += chunk
+                    if len(data) > max_bytes:
+                        raise ServerRefused(resp.status, "too_large", too_large)
         kernels.verify_blob(data, blob_id)
-        return bytes(data)
+        return data
 
     async def report(
         self, results: list[dict[str, Any]], work: dict[str, Any] | None = None
@@ -169,6 +186,31 @@ class CoordinatorClient:
     async def status(self) -> dict[str, Any]:
         async with self.session.get(self.url + "/v1/status") as resp:
             return await resp.json()
+
+
+async def in_pieces(body: bytes) -> AsyncIterator[memoryview]:
+    """A request body for aiohttp, PIECE_BYTES at a time (each sent once the last drained)."""
+    view = memoryview(body)
+    for start in range(0, len(view), PIECE_BYTES):
+        yield view[start : start + PIECE_BYTES]
+
+
+async def read_into(stream: aiohttp.StreamReader, size: int) -> bytearray:
+    """Exactly `size` bytes of a body, each chunk copied once into one buffer as it arrives
+    (aiohttp.ClientPayloadError if the body ends first)."""
+    body = bytearray(size)
+    view = memoryview(body)
+    got = 0
+    while got < size:
+        chunk, end_of_http_chunk = await stream.readchunk()
+        if not chunk:
+            if end_of_http_chunk:
+                continue
+            raise aiohttp.ClientPayloadError(f"the body ended after {got} of {size} bytes")
+        end = min(size, got + len(chunk))
+        view[got:end] = chunk[: end - got]
+        got = end
+    return body
 
 
 def compute_tile(

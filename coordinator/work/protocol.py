@@ -136,7 +136,7 @@ def encode_with(message: dict[str, Any], key: str, encoded: bytes) -> bytes:
     return b"".join(parts)
 
 
-def decode(body: bytes, max_bytes: int) -> dict[str, Any]:
+def decode(body: bytes | bytearray, max_bytes: int) -> dict[str, Any]:
     """A msgpack map from a request body, or BadRequest/TooLarge."""
     if len(body) > max_bytes:
         raise TooLarge(f"body of {len(body)} bytes exceeds this endpoint's limit of {max_bytes}")
