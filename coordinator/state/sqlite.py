@@ -10,13 +10,14 @@ hundreds of rows) runs on the store's thread. A lock keeps the two from ever usi
 connection at once, and the loop never waits for it: while the thread holds it, the
 loop's work queues behind, on the thread.
 
-Checkpoints of the WAL into the database file (two fsyncs) run on a thread and connection
-of their own (`Checkpointer`), so that no commit on the loop pays for one.
+Checkpoints of the WAL into the database file (two fsyncs) run every half second on the
+store's thread (`_checkpoint_every`), so that no commit on the loop pays for one.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import re
 import sqlite3
@@ -60,41 +61,10 @@ LIGHT_WRITES = frozenset(
 )
 LIGHT_ROWS = 256
 
-CHECKPOINT_EVERY = 1.0  # seconds between checkpoints of the WAL into the database file
-# Pages in the WAL at which a commit checkpoints by itself, should the checkpointer fall
-# behind (SQLite's default is 1,000: about twice a tiny-gpt step).
-BACKSTOP_PAGES = 20_000
-
-
-class Checkpointer:
-    """Copies the WAL into the database file on a thread and connection of its own.
-
-    Left to itself, SQLite checkpoints inside whichever commit fills the WAL to 1,000 pages,
-    with two fsyncs: a stall of that commit and of every handler queued behind it, about
-    twice a tiny-gpt step. A passive checkpoint beside the writer takes nothing from it: in
-    WAL mode one connection may commit while another checkpoints."""
-
-    def __init__(self, path: Path, every: float = CHECKPOINT_EVERY) -> None:
-        self._stop = threading.Event()
-        self._thread = threading.Thread(
-            target=self._run, args=(path, every), name="tilehive-checkpoint", daemon=True
-        )
-        self._thread.start()
-
-    def _run(self, path: Path, every: float) -> None:
-        db = sqlite3.connect(path, isolation_level=None)
-        try:
-            while not self._stop.wait(every):
-                try:
-                    db.execute("PRAGMA wal_checkpoint(PASSIVE)").fetchall()
-                except sqlite3.Error as exc:  # busy or failing: the next round tries again
-                    log.warning("checkpoint of %s failed: %s", path, exc)
-        finally:
-            db.close()
-
-    def stop(self) -> None:
-        self._stop.set()
-        self._thread.join()
+CHECKPOINT_EVERY = 0.5  # seconds between checkpoints of the WAL into the database file
+# Pages in the WAL at which a commit would checkpoint by itself, on the loop: only if the
+# store's thread were stuck (SQLite's default is 1,000, about twice a tiny-gpt step).
+BACKSTOP_PAGES = 50_000
 
 
 class SqliteStore(QueryStore):
@@ -105,7 +75,7 @@ class SqliteStore(QueryStore):
         self.path = Path(path)
         self._db: sqlite3.Connection | None = None
         self._thread: ThreadPoolExecutor | None = None
-        self._checkpointer: Checkpointer | None = None
+        self._checkpoints: asyncio.Task | None = None
         self._lock = threading.Lock()  # whoever uses the connection holds it
         self._sql = load_queries()
 
@@ -135,7 +105,7 @@ class SqliteStore(QueryStore):
         try:
             self._db = await loop.run_in_executor(self._thread, self._connect)
             await self._migrate()
-            self._checkpointer = Checkpointer(self.path)
+            self._checkpoints = asyncio.create_task(self._checkpoint_every(CHECKPOINT_EVERY))
         except BaseException:
             await self.close()
             raise
@@ -147,7 +117,7 @@ class SqliteStore(QueryStore):
         db.execute("PRAGMA journal_mode=WAL")
         db.execute("PRAGMA synchronous=NORMAL")
         db.execute("PRAGMA foreign_keys=ON")
-        db.execute(f"PRAGMA wal_autocheckpoint={BACKSTOP_PAGES}")  # the Checkpointer's job
+        db.execute(f"PRAGMA wal_autocheckpoint={BACKSTOP_PAGES}")  # _checkpoint_every's job
         return db
 
     async def _migrate(self) -> None:
@@ -160,9 +130,11 @@ class SqliteStore(QueryStore):
             await self._run(lambda db, sql=sql: db.executescript(sql))
 
     async def close(self) -> None:
-        if self._checkpointer is not None:
-            checkpointer, self._checkpointer = self._checkpointer, None
-            await asyncio.to_thread(checkpointer.stop)
+        if self._checkpoints is not None:
+            checkpoints, self._checkpoints = self._checkpoints, None
+            checkpoints.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await checkpoints
         thread, db = self._thread, self._db
         self._thread = self._db = None
         if thread is None:
@@ -170,6 +142,22 @@ class SqliteStore(QueryStore):
         if db is not None:
             await asyncio.get_running_loop().run_in_executor(thread, self._locked, _close, db)
         thread.shutdown(wait=True)
+
+    async def _checkpoint_every(self, seconds: float) -> None:
+        """Copy the WAL into the database file every `seconds`, on the store's thread.
+
+        Left to itself, SQLite checkpoints inside whichever commit fills the WAL, with two
+        fsyncs: on the loop, that would stall every request. On the store's thread, holding
+        the connection, the checkpoint sees no commit land while it runs, so it completes
+        and the next commit starts the WAL over (a checkpoint beside a stream of commits
+        never catches up, and the WAL grows). The loop's commits meanwhile queue on the
+        thread, a few milliseconds, and the loop goes on serving."""
+        while True:
+            await asyncio.sleep(seconds)
+            try:
+                await self._run(_checkpoint)
+            except sqlite3.Error as exc:  # busy or failing: the next round tries again
+                log.warning("checkpoint of %s failed: %s", self.path, exc)
 
     async def _query(self, name: str, **values: Any) -> list[sqlite3.Row]:
         sql = self._sql[name]
@@ -201,3 +189,7 @@ class SqliteStore(QueryStore):
 
 def _close(db: sqlite3.Connection) -> None:
     db.close()
+
+
+def _checkpoint(db: sqlite3.Connection) -> None:
+    db.execute("PRAGMA wal_checkpoint(PASSIVE)").fetchall()

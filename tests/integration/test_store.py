@@ -5,6 +5,7 @@ against both, and the check that it answers every name, keep the fake from drift
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import inspect
 
@@ -212,3 +213,29 @@ def test_the_memory_store_answers_every_query_the_store_sends_and_no_other():
     }
     assert answered == sent
     assert sent | read == set(load_queries())  # no named query is left unused
+
+
+async def test_a_stream_of_commits_keeps_the_wal_bounded(tmp_path, monkeypatch):
+    """The coordinator commits hundreds of times a second; the store's own checkpoints must
+    complete between them, so that the WAL starts over instead of growing until a commit
+    (on the event loop) has to checkpoint it."""
+    from coordinator.state import sqlite as sqlite_store
+
+    monkeypatch.setattr(sqlite_store, "CHECKPOINT_EVERY", 0.02)
+    store = SqliteStore(tmp_path / "state.db")
+    await store.open()
+    gemm, host, wu, _ = records()
+    wal, largest = tmp_path / "state.db-wal", 0
+    try:
+        for burst in range(40):
+            for i in range(25):
+                events = [Event(float(i), "wu", "created", "x" * 500, burst, gemm.id, wu.id)] * 20
+                await store.commit(Batch({gemm.id: gemm}, {wu.id: wu}, {}, {1: host}, events))
+            largest = max(largest, wal.stat().st_size)
+            await asyncio.sleep(0.03)  # a pause between bursts, as a server's loop has
+        written = (tmp_path / "state.db").stat().st_size + wal.stat().st_size
+    finally:
+        await store.close()
+    # 20,000 events of half a kilobyte went through the WAL, about a burst at a time.
+    assert written > 10 << 20
+    assert largest < written / 4, (largest, written)
