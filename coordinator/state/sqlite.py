@@ -1,10 +1,10 @@
-"""The Store on SQLite: WAL, foreign keys, one connection, a checkpointer beside it.
+"""The Store on SQLite: WAL, foreign keys, one connection shared by the loop and a thread.
 
 The hot path runs on the event loop itself: the commit a handler awaits before it replies
 (a few dozen rows) and the point lookups of a product or a result take 0.1-0.2 ms of
 SQLite, less than a trip to another thread and back, and a thread would also have to win
 the GIL back for every row it binds while the server and the training thread hold it (a
-tiny-gpt step commits about 150 times: 15-20% of the step went to those trips). What may
+tiny-gpt step commits about 150 times: 13% of the step went to those trips). What may
 take longer (bulk deletes after a checkpoint, queries for logs and restarts, commits of
 hundreds of rows) runs on the store's thread. A lock keeps the two from ever using the
 connection at once, and the loop never waits for it: while the thread holds it, the
@@ -63,7 +63,7 @@ LIGHT_ROWS = 256
 
 CHECKPOINT_EVERY = 0.5  # seconds between checkpoints of the WAL into the database file
 # Pages in the WAL at which a commit would checkpoint by itself, on the loop: only if the
-# store's thread were stuck (SQLite's default is 1,000, about twice a tiny-gpt step).
+# store's thread were stuck (SQLite's default is 1,000: several times a tiny-gpt step).
 BACKSTOP_PAGES = 50_000
 
 
