@@ -121,10 +121,13 @@ class BlobStore:
     def path(self, blob: str) -> Path:
         if not is_blob_id(blob):
             raise ValueError(f"not a blob id: {blob!r}")
-        return self.root / blob[:2] / blob
+        return Path(self._path_of(blob))
+
+    def _folder_of(self, blob: str) -> str:
+        return os.path.join(self._root, blob[:2])  # of an id known to be well formed
 
     def _path_of(self, blob: str) -> str:
-        return os.path.join(self._root, blob[:2], blob)  # of an id known to be well formed
+        return os.path.join(self._folder_of(blob), blob)
 
     def has(self, blob: str) -> bool:
         return blob in self._unwritten or self.path(blob).is_file()
@@ -263,7 +266,7 @@ class BlobStore:
         check on each made more): a coordinator of tiny tiles writes thousands a second.
         Most of a blob's cost is still the file system's own (0.9 ms a file measured under
         the throughput benchmark), which only fewer files would cut."""
-        folder = os.path.join(self._root, blob[:2])
+        folder = self._folder_of(blob)
         if folder not in self._folders:
             os.makedirs(folder, exist_ok=True)
             self._folders.add(folder)
