@@ -109,7 +109,7 @@ def checkpoint_bits(path: Path) -> dict[str, bytes]:
         return {name: data[name].tobytes() for name in data.files}
 
 
-def start_coordinator(directory: Path, port: int, log: Path) -> subprocess.Popen:
+def start_coordinator(directory: Path, port: int, log: Path, *options: str) -> subprocess.Popen:
     with log.open("a") as out:
         return subprocess.Popen(
             [
@@ -120,6 +120,7 @@ def start_coordinator(directory: Path, port: int, log: Path) -> subprocess.Popen
                 str(directory),
                 "--bind",
                 f"127.0.0.1:{port}",
+                *options,
             ],
             stdout=out,
             stderr=out,

@@ -190,9 +190,20 @@ def init(directory: Path, model: str, corpus: str, seed, steps, tile) -> None:
 @click.argument("directory", type=click.Path(file_okay=False, path_type=Path))
 @option("--bind", default="0.0.0.0:8470", show_default=True, help="HOST:PORT to listen on.")
 @option("--keep-serving", is_flag=True, help="Keep the API up after the last step.")
+@option(
+    "--blob-memory",
+    type=click.IntRange(min=0, max=1 << 20),
+    default=1024,
+    show_default=True,
+    metavar="MB",
+    help="Panels and tiles held in memory before any is written to DIR/blobs; beyond it the "
+    "oldest are written (0: every one at once).",
+)
 @log_format_option
 @_fail_on_project_error
-def coordinator_command(directory: Path, bind: str, keep_serving: bool, log_format: str) -> None:
+def coordinator_command(
+    directory: Path, bind: str, keep_serving: bool, blob_memory: int, log_format: str
+) -> None:
     """Host the project in DIRECTORY: serve volunteers and train until its steps are done.
 
     A restarted coordinator resumes from the last checkpoint and the tiles already validated.
@@ -206,7 +217,7 @@ def coordinator_command(directory: Path, bind: str, keep_serving: bool, log_form
     project = load_project(directory)
     configure_logging(log_format)
     try:
-        code = asyncio.run(host_project(project, host, port, keep_serving))
+        code = asyncio.run(host_project(project, host, port, keep_serving, blob_memory))
     except CannotListen as exc:
         raise click.ClickException(str(exc)) from exc
     sys.exit(code)

@@ -32,10 +32,14 @@ FINISH_GRACE = 15.0  # seconds a finished coordinator waits for its volunteers t
 RECENT_CONTACT = 30.0  # volunteers in contact this recently are told before it exits
 
 
-def coordinator_config(project: Project) -> CoordinatorConfig:
+def coordinator_config(project: Project, blob_memory_mb: int | None = None) -> CoordinatorConfig:
+    """The coordinator's settings from the project's; `blob_memory_mb` (`--blob-memory`)
+    bounds the panels and tiles held in memory unwritten."""
     work, access = project.work, project.access
+    unwritten = {} if blob_memory_mb is None else {"unwritten_blob_bytes": blob_memory_mb << 20}
     return CoordinatorConfig(
         directory=project.directory,
+        **unwritten,
         policy=project.policy,
         redundancy=project.redundancy,
         tile=work.tile,
@@ -96,7 +100,13 @@ class Interrupts:
             self._main.cancel()
 
 
-async def host_project(project: Project, bind_host: str, port: int, keep_serving: bool) -> int:
+async def host_project(
+    project: Project,
+    bind_host: str,
+    port: int,
+    keep_serving: bool,
+    blob_memory_mb: int | None = None,
+) -> int:
     """Serve and train until the project's steps are done; returns the exit code. Raises
     ProjectBusy (another process runs the project), DamagedState (state.db cannot be read)
     or CannotListen (the bind failed), each with a message for the operator."""
@@ -110,7 +120,9 @@ async def host_project(project: Project, bind_host: str, port: int, keep_serving
             lock.acquire("coordinator")
             state = project.directory / "state.db"
             await asyncio.to_thread(integrity.check, state)
-            coordinator = Coordinator(coordinator_config(project), SqliteStore(state))
+            coordinator = Coordinator(
+                coordinator_config(project, blob_memory_mb), SqliteStore(state)
+            )
             with integrity.reported(state):
                 runner, url = await serve(coordinator, bind_host, port)
             interrupts.starting = False

@@ -30,6 +30,9 @@ class CoordinatorConfig:
     tail_fraction: float = 0.9  # share of a GEMM's tiles done before spares are issued
     max_blob_bytes: int = 64 << 20
     blob_memory_bytes: int = 256 << 20  # recent panels and tiles, read from memory, not disk
+    # Panels and tiles held in memory, not yet written, at most: most die at the next
+    # checkpoint unwritten (BlobStore), and those beyond it are written, oldest first.
+    unwritten_blob_bytes: int = 1 << 30
     max_report_bytes: int = 96 << 20
     max_request_bytes: int = 1 << 20
     # Stored work replies (for retried requests) are kept this many seconds, and at most

@@ -51,7 +51,10 @@ class Coordinator:
         self.directory.mkdir(parents=True, exist_ok=True)
         self.store = store
         self.blobs = BlobStore(
-            self.directory / "blobs", config.max_blob_bytes, config.blob_memory_bytes
+            self.directory / "blobs",
+            config.max_blob_bytes,
+            config.blob_memory_bytes,
+            behind_bytes=config.unwritten_blob_bytes,
         )
         self.ledger = Ledger(store)
         self.key = load_secret(self.directory)

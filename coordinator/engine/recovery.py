@@ -1,7 +1,8 @@
-"""After a power cut: blobs are not synced (docs/architecture.md, "Durability"), so a restarted
-coordinator may find a product's panels or tiles gone. Each is made again from what is
-synced: tiles with the kernel (the same bits), panels from the operands, and an unfinished
-product whose blobs are gone is dropped so that the training loop runs it again."""
+"""After a kill or a power cut: blobs are held in memory until written, and never synced
+(docs/architecture.md, "Durability"), so a restarted coordinator may find a product's panels
+or tiles gone. Each is made again from what is synced: tiles with the kernel (the same
+bits), panels from the operands, and an unfinished product whose blobs are gone is dropped
+so that the training loop runs it again."""
 
 from __future__ import annotations
 
@@ -17,6 +18,23 @@ from coordinator.state.store import Store
 from coordinator.work.records import Gemm, GemmState, WorkUnit
 
 log = logging.getLogger(__name__)
+
+# After a kill every product since the last checkpoint may have lost its blobs (they are
+# held in memory until written): the first recovery says why, the others go to INFO.
+_explained = False
+
+
+def _recovered(message: str, *args: object) -> None:
+    global _explained
+    if _explained:
+        log.info(message, *args)
+        return
+    _explained = True
+    log.warning(
+        message + " (blobs not yet written when the coordinator stopped are made again from "
+        "what is committed; more of these are logged at INFO)",
+        *args,
+    )
 
 
 def panels(
@@ -40,7 +58,7 @@ def canonical_tile(blobs: BlobStore, wu: WorkUnit) -> np.ndarray:
     try:
         return blobs.get_array(wu.canonical_hash)
     except (BlobNotFound, ValueError):
-        log.warning(
+        _recovered(
             "tile %s of work unit %s is gone; recomputing it", wu.canonical_hash[:12], wu.id[:12]
         )
         tile = kernels.gemm(
@@ -67,7 +85,7 @@ async def restore_panels(
         blobs.put_many([(kernels.encode_array(p), None) for p in (*rows, *cols)])
 
     await asyncio.to_thread(store_panels)
-    log.warning(
+    _recovered(
         "step %d: %s's operand panels were gone; stored again",
         gemm.step,
         gemm.label or gemm.id[:12],

@@ -86,11 +86,13 @@ class BlobStore:
     it is whole or absent. Reads verify the bytes against the id, so a corrupted disk never
     feeds a tile: a reader that finds a blob missing or damaged recomputes it.
 
-    A step's blobs may be written behind (`put_many(..., behind=True)`): they are readable
-    at once from memory and a writer thread puts them on disk, so that creating files
-    (0.2 ms each on the reference machine's disk) is not paid on the event loop, once per
-    panel and per tile. Until written they are as a power cut leaves unsynced blobs: gone
-    after a crash, and made again from what is committed (docs/architecture.md).
+    A step's blobs may be written back (`put_many(..., behind=True)`): they are held in
+    memory, up to `behind_bytes`, and a writer thread puts the oldest on disk only when more
+    than that is waiting, or when the store closes. Most of a step's blobs are deleted at the
+    next checkpoint before they are ever written: writing them cost the coordinator a copy
+    into the page cache per byte and a file per blob, 11-17% of a step (docs/performance.md).
+    Until written they are as a power cut leaves unsynced blobs: gone after a crash, and made
+    again from what is committed (docs/architecture.md, "Durability").
     """
 
     def __init__(
@@ -106,7 +108,8 @@ class BlobStore:
         self.max_blob_bytes = max_blob_bytes
         self.root.mkdir(parents=True, exist_ok=True)
         self.recent = RecentBlobs(memory_bytes)
-        self.behind_bytes = behind_bytes  # bytes waiting for the writer at most
+        self.behind_bytes = behind_bytes  # blobs held unwritten in memory at most
+        self._draining = 0  # drain() calls waiting: the writer writes everything meanwhile
         self._unwritten: dict[str, bytes] = {}  # accepted, not yet on disk (oldest first)
         self._unwritten_size = 0
         self._writing: str | None = None
@@ -208,14 +211,25 @@ class BlobStore:
             # A disk slower than the network: the caller waits for it rather than memory
             # filling up (rare; off the event loop whenever the blobs are large).
             self._cond.wait_for(
-                lambda: self._unwritten_size <= self.behind_bytes or self.failure is not None
+                lambda: self._unwritten_size <= 2 * self.behind_bytes or self.failure is not None
             )
+
+    def _write_due(self) -> bool:
+        """More is held than the memory allows, everything must reach the disk, or the
+        disk failed (it is tried again until it works, and new blobs wait for it)."""
+        if not self._unwritten:
+            return False
+        return (
+            self._unwritten_size > self.behind_bytes
+            or self._draining > 0
+            or self.failure is not None
+        )
 
     def _write_behind(self) -> None:
         while True:
             with self._cond:
-                self._cond.wait_for(lambda: self._unwritten or self._closed)
-                if not self._unwritten:
+                self._cond.wait_for(lambda: self._write_due() or self._closed)
+                if not self._write_due():
                     return
                 blob, data = next(iter(self._unwritten.items()))
                 self._writing = blob
@@ -244,9 +258,15 @@ class BlobStore:
                 self._cond.notify_all()
 
     def drain(self, timeout: float | None = None) -> bool:
-        """Wait until every blob written behind is on disk; False if `timeout` came first."""
+        """Write every blob held in memory to disk and wait for it; False if `timeout` came
+        first."""
         with self._cond:
-            return self._cond.wait_for(lambda: not self._unwritten, timeout)
+            self._draining += 1
+            self._cond.notify_all()
+            try:
+                return self._cond.wait_for(lambda: not self._unwritten, timeout)
+            finally:
+                self._draining -= 1
 
     def close(self, timeout: float = 10.0) -> None:
         """Write what is waiting (up to `timeout` seconds, unless the disk is failing), then

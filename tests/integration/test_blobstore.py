@@ -63,7 +63,7 @@ def test_a_batch_that_fails_part_way_leaves_whole_blobs_or_none(tmp_path, monkey
 
 
 def test_blobs_written_behind_are_readable_at_once_and_reach_the_disk(tmp_path, monkeypatch):
-    store = BlobStore(tmp_path, max_blob_bytes=1 << 20)
+    store = BlobStore(tmp_path, max_blob_bytes=1 << 20, behind_bytes=0)  # none held back
     blobs = tiles(8, seed=2)
     real_write = BlobStore._write
     failing = [True]
@@ -93,5 +93,28 @@ def test_blobs_written_behind_are_readable_at_once_and_reach_the_disk(tmp_path, 
     # On disk, read back and checked against their ids, except the one deleted.
     fresh = BlobStore(tmp_path, max_blob_bytes=1 << 20)
     assert [fresh.get(kernels.blob_id(data)) for data in blobs[1:]] == blobs[1:]
+    with pytest.raises(BlobNotFound):
+        fresh.get(ids[0])
+
+
+def test_blobs_are_held_in_memory_until_more_wait_than_it_allows(tmp_path):
+    """Write-back: a blob deleted while held costs no file; the oldest are written once more
+    than `behind_bytes` waits; a clean close writes the rest."""
+    size = len(tiles(1)[0])
+    store = BlobStore(tmp_path, max_blob_bytes=1 << 20, behind_bytes=3 * size)
+    blobs = tiles(5, seed=3)
+    ids = store.put_many([(data, None) for data in blobs[:3]], behind=True)
+    store.delete(ids[0])  # a checkpoint let it go before it was ever written
+    assert [store.get(blob) for blob in ids[1:]] == blobs[1:3]
+    assert not [p for p in tmp_path.rglob("*") if p.is_file()]  # nothing written yet
+    more = store.put_many([(data, None) for data in blobs[3:]], behind=True)  # 4 held: 1 over
+    deadline = time.monotonic() + 30
+    while not store.path(ids[1]).is_file() and time.monotonic() < deadline:
+        time.sleep(0.01)  # polling the writer's work, with a deadline
+    assert store.path(ids[1]).is_file()  # the oldest went to disk...
+    assert not store.path(more[-1]).exists()  # ...the newest stays in memory
+    store.close()
+    fresh = BlobStore(tmp_path, max_blob_bytes=1 << 20)
+    assert [fresh.get(blob) for blob in ids[1:] + more] == blobs[1:]
     with pytest.raises(BlobNotFound):
         fresh.get(ids[0])
