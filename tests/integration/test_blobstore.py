@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import os
 import time
 from pathlib import Path
@@ -10,7 +11,8 @@ import numpy as np
 import pytest
 
 import kernels
-from coordinator.state.blobs import BlobNotFound, BlobStore
+from coordinator.state import blobs as blobs_module
+from coordinator.state.blobs import DIRECT_BYTES, DIRECT_CHUNK, BlobNotFound, BlobStore
 
 
 def tiles(count: int, seed: int = 0) -> list[bytes]:
@@ -118,3 +120,27 @@ def test_blobs_are_held_in_memory_until_more_wait_than_it_allows(tmp_path):
     assert [fresh.get(blob) for blob in ids[1:] + more] == blobs[1:]
     with pytest.raises(BlobNotFound):
         fresh.get(ids[0])
+
+
+@pytest.mark.parametrize("extra", [1, 4096, DIRECT_CHUNK + 5])
+def test_a_large_blob_written_around_the_page_cache_reads_back_whole(tmp_path, extra):
+    """O_DIRECT writes whole aligned blocks: the last is padded and the file cut back to
+    the blob's length, whatever that is."""
+    store = BlobStore(tmp_path, max_blob_bytes=64 << 20, behind_bytes=0)
+    data = os.urandom(DIRECT_BYTES + extra)
+    blob = store.put(data)
+    assert store.path(blob).stat().st_size == len(data)
+    assert BlobStore(tmp_path, max_blob_bytes=64 << 20).get(blob) == data
+
+
+def test_a_file_system_that_refuses_direct_writes_gets_buffered_ones(tmp_path, monkeypatch):
+    def refuse(fd, view):
+        raise OSError(errno.EINVAL, "Invalid argument")
+
+    monkeypatch.setattr(blobs_module, "write_direct", refuse)
+    store = BlobStore(tmp_path, max_blob_bytes=64 << 20)
+    data = os.urandom(DIRECT_BYTES + 7)
+    blob = store.put(data)
+    assert not store.direct  # asked once, then never again
+    assert not list(tmp_path.rglob(".tmp-*"))
+    assert BlobStore(tmp_path, max_blob_bytes=64 << 20).get(blob) == data
