@@ -25,7 +25,7 @@ WRITE_BACKLOG = 256 << 20
 # Blobs this large are written around the page cache (O_DIRECT), through an aligned buffer
 # of DIRECT_CHUNK: nobody reads a written blob soon (it is written when it is the oldest in
 # memory), and copying it into the page cache cost 3 CPU-seconds a gigabyte on the
-# reference machine, against 0.1-0.2 through the buffer (benchmarks/blob_writes.py).
+# reference machine, against 0.25 through the buffer (benchmarks/blob_writes.py).
 DIRECT_BYTES = 1 << 20
 DIRECT_CHUNK = 8 << 20
 DIRECT_ALIGN = 4096  # O_DIRECT's alignment of memory, offsets and lengths
@@ -125,8 +125,8 @@ class BlobStore:
     A step's blobs may be written back (`put_many(..., behind=True)`): they are held in
     memory, up to `behind_bytes`, and a writer thread puts the oldest on disk only when more
     than that is waiting, or when the store closes. Most of a step's blobs are deleted at the
-    next checkpoint before they are ever written: writing them cost the coordinator a copy
-    into the page cache per byte and a file per blob, 11-17% of a step (docs/performance.md).
+    next checkpoint before they are ever written: writing them all made a tiny-gpt step 15%
+    longer (benchmarks/blob_memory.py).
     Until written they are as a power cut leaves unsynced blobs: gone after a crash, and made
     again from what is committed (docs/architecture.md, "Durability").
     """
