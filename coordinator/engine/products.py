@@ -171,7 +171,7 @@ class Products:
                 )
             else:
                 # Made before a restart. Blobs are not synced (docs/architecture.md): after
-                # a power cut, panels that are gone are stored again from the operands.
+                # a kill or a power cut, panels that are gone are stored again from the operands.
                 await restore_panels(self.blobs, self.ledger, self.store, gemm, a, b)
             if gemm.state is GemmState.DONE:
                 # Finished before a restart: the tiles are committed blobs.

@@ -31,8 +31,8 @@ def _recovered(message: str, *args: object) -> None:
         return
     _explained = True
     log.warning(
-        message + " (blobs not yet written when the coordinator stopped are made again from "
-        "what is committed; more of these are logged at INFO)",
+        message + " (blobs not written before the coordinator stopped, or damaged on disk, are "
+        "made again from what is committed; more of these are logged at INFO)",
         *args,
     )
 
@@ -54,7 +54,7 @@ def panels(
 
 def canonical_tile(blobs: BlobStore, wu: WorkUnit) -> np.ndarray:
     """A validated work unit's tile, from its blob; recomputed with the kernel (the same
-    bits) when a power cut took the blob."""
+    bits) when a kill or a power cut took the blob, or the disk damaged it."""
     try:
         return blobs.get_array(wu.canonical_hash)
     except (BlobNotFound, ValueError):

@@ -203,10 +203,10 @@ class BlobStore:
         """Store several blobs, each whole or absent: written to a temporary file and renamed
         into place. `verified`: the caller has checked each blob against its `expected` id
         already (a blob is hashed once). `behind`: return at once and let the writer thread
-        write them (OSError if it is failing). Not synced: blobs are a step's intermediate
-        products, which the step recomputes bit for bit from its inputs after a power cut
-        (a process killed at any moment leaves its written files to the kernel, which keeps
-        them); see "Durability" in docs/architecture.md for what is synced and when."""
+        write them when they must (OSError if it is failing). Never synced: blobs are a
+        step's intermediate products, which the step recomputes bit for bit from its inputs
+        after a kill (that loses the blobs not yet written) or a power cut; see "Durability"
+        in docs/architecture.md for what is synced and when."""
         ids = []
         for data, expected in blobs:
             if len(data) > self.max_blob_bytes:
@@ -231,7 +231,7 @@ class BlobStore:
 
     def _behind(self, blobs: list[tuple[str, bytes]]) -> None:
         with self._cond:
-            if self.failure is not None:
+            if self.failure is not None and self._unwritten:
                 raise self.failure
             if self._writer is None:
                 self._writer = threading.Thread(
@@ -239,6 +239,8 @@ class BlobStore:
                 )
                 self._writer.start()
             for blob, data in blobs:
+                # Stored again while the writer writes its deleted twin: keep the file.
+                self._deleted.discard(blob)
                 # Whether it is on disk already is the writer's question, off the loop.
                 if blob in self._unwritten:
                     continue
@@ -282,6 +284,7 @@ class BlobStore:
                         log.error("blob store %s cannot be written: %s", self.root, exc)
                     self.failure = exc
                     self._writing = None
+                    self._deleted.discard(blob)  # not written: nothing to unlink
                     self._cond.notify_all()
                     self._cond.wait(WRITE_RETRY)  # the operator fixes the disk meanwhile
                 continue
@@ -314,6 +317,14 @@ class BlobStore:
         if self.failure is None:
             self.drain(timeout)
         with self._cond:
+            if self._unwritten:
+                log.warning(
+                    "blob store %s: %d blobs (%.0f MB) not written at the stop; a restart "
+                    "makes them again from what is committed",
+                    self.root,
+                    len(self._unwritten),
+                    self._unwritten_size / (1 << 20),
+                )
             self._closed = True
             self._unwritten.clear()
             self._unwritten_size = 0
@@ -378,6 +389,11 @@ class BlobStore:
                 self._unwritten_size -= len(data)
             if self._writing == blob:
                 self._deleted.add(blob)  # the writer unlinks it once written
+            if self.failure is not None and not self._unwritten:
+                # What the disk refused is gone unwritten (a checkpoint let it go): nothing
+                # waits for the disk now, and new blobs are taken until one must be written.
+                self.failure = None
+                log.info("blob store %s: nothing waits to be written any more", self.root)
             self._cond.notify_all()
         self.path(blob).unlink(missing_ok=True)
 
