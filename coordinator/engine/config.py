@@ -29,7 +29,7 @@ class CoordinatorConfig:
     freivalds_rounds: int = 8
     tail_fraction: float = 0.9  # share of a GEMM's tiles done before spares are issued
     max_blob_bytes: int = 64 << 20
-    blob_memory_bytes: int = 256 << 20  # recent panels and tiles, read from memory, not disk
+    recent_blob_bytes: int = 256 << 20  # the panels and tiles stored last, kept for readers
     # Panels and tiles held in memory, not yet written, at most: most die at the next
     # checkpoint unwritten (BlobStore), and those beyond it are written, oldest first.
     unwritten_blob_bytes: int = 1 << 30

@@ -53,7 +53,7 @@ class Coordinator:
         self.blobs = BlobStore(
             self.directory / "blobs",
             config.max_blob_bytes,
-            config.blob_memory_bytes,
+            config.recent_blob_bytes,
             behind_bytes=config.unwritten_blob_bytes,
         )
         self.ledger = Ledger(store)

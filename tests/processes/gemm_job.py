@@ -28,7 +28,7 @@ async def run(args: argparse.Namespace) -> None:
             policy=Policy(args.policy),
             redundancy=Redundancy(delay_bound=args.delay_bound),
             no_work_delay=0.2,
-            blob_memory_bytes=args.blob_memory,
+            recent_blob_bytes=args.blob_memory,
             unwritten_blob_bytes=args.blob_memory,
         ),
         SqliteStore(Path(args.directory) / "state.db"),
