@@ -14,7 +14,6 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
@@ -23,46 +22,18 @@ _HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path[:] = [p for p in sys.path if os.path.abspath(p or ".") != _HERE]
 sys.path.insert(0, os.path.dirname(_HERE))
 
-from benchmarks import serve_switched  # noqa: E402
 from benchmarks.report import Row  # noqa: E402
 from benchmarks.training import (  # noqa: E402
-    ENV,
     LARGER,
-    ROOT,
-    TILEHIVE,
     checkpoint_bits,
     step_seconds,
+    train_distributed,
     typical,
 )
 from coordinator.training import project as projects  # noqa: E402
 
 SETTINGS = {"held": (), "written": ("--blob-memory", "0")}
 STEPS = {"tiny-gpt": 8, "larger": 3}
-
-
-def train(directory: Path, options: tuple[str, ...], timeout: float = 1800) -> None:
-    """`tilehive coordinator DIR OPTIONS` with one volunteer daemon, until the last step."""
-    port = serve_switched.free_port()
-    log = directory.parent / f"{directory.name}.log"
-    with log.open("a") as out:
-        coordinator = subprocess.Popen(
-            [*TILEHIVE, "coordinator", str(directory), "--bind", f"127.0.0.1:{port}", *options],
-            stdout=out,
-            stderr=out,
-            cwd=ROOT,
-            env=ENV,
-        )
-    states = directory.parent / f"{directory.name}-volunteers"
-    crew = serve_switched.start_volunteers(f"http://127.0.0.1:{port}", states, 1)
-    try:
-        code = coordinator.wait(timeout)
-    finally:
-        serve_switched.stop_all(crew)
-        if coordinator.poll() is None:
-            coordinator.kill()
-            coordinator.wait()
-    if code != 0:
-        raise RuntimeError(f"tilehive coordinator exited with {code}: {log.read_text()[-2000:]}")
 
 
 def run(rounds: int = 2, models: tuple[str, ...] = ("tiny-gpt", "larger")) -> list[Row]:
@@ -86,7 +57,7 @@ def run(rounds: int = 2, models: tuple[str, ...] = ("tiny-gpt", "larger")) -> li
                 for name, options in SETTINGS.items():
                     directory = Path(tmp) / f"{model}-{name}-{turn}"
                     projects.create(directory, **settings)
-                    train(directory, options)
+                    train_distributed(directory, 1, timeout=1800, options=options)
                     seconds[name].append(typical(step_seconds(directory)))
                     bits = checkpoint_bits(directory / last)
                     reference = reference or bits

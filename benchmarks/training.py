@@ -80,14 +80,17 @@ def busy_share(states: Path) -> float:
     return compute / ran if ran else 0.0
 
 
-def train_distributed(directory: Path, volunteers: int, timeout: float) -> float:
-    """Train with `volunteers` daemons on loopback; returns their busy share."""
+def train_distributed(
+    directory: Path, volunteers: int, timeout: float, options: tuple[str, ...] = ()
+) -> float:
+    """Train with `volunteers` daemons on loopback (`options`: the coordinator's flags);
+    returns their busy share."""
     port = serve_switched.free_port()
     url = f"http://127.0.0.1:{port}"
     log = directory.parent / f"{directory.name}.log"
     with log.open("a") as out:
         coordinator = subprocess.Popen(
-            [*TILEHIVE, "coordinator", str(directory), "--bind", f"127.0.0.1:{port}"],
+            [*TILEHIVE, "coordinator", str(directory), "--bind", f"127.0.0.1:{port}", *options],
             stdout=out,
             stderr=out,
             cwd=ROOT,
