@@ -204,6 +204,10 @@ class Scheduler:
             taken[assignment.wu.gemm_id] = taken.get(assignment.wu.gemm_id, 0) + 1
             in_progress += 1
             room -= 1
+            if others > 0 and _all_shares_taken(ledger.unsent_of_gemm, taken, shares):
+                # The rest of the unsent results belong to products whose share this host
+                # has: looking at each of them (thousands, at a large product) finds nothing.
+                break
         return plan
 
     def _gemm_of(self, result_id: str) -> str | None:
@@ -308,6 +312,11 @@ class Scheduler:
             )
         )
         return wu
+
+
+def _all_shares_taken(unsent_of_gemm, taken: dict[str, int], shares: dict[str, int]) -> bool:
+    """True when every product with unsent results has given this plan its share."""
+    return all(gemm in shares and taken.get(gemm, 0) >= shares[gemm] for gemm in unsent_of_gemm)
 
 
 def _event(wu: WorkUnit, result: Result | None, now: float, state: str, message: str) -> Event:
