@@ -40,6 +40,11 @@ from validation import freivalds
 
 log = logging.getLogger(__name__)
 
+# A pass's decisions (verdicts, assimilated tiles, finished products) promise nobody anything
+# until a reply or a caller depends on them: they wait this long for the next handler's
+# commit to take them along (one transaction a product, not three), and then go on their own.
+COMMIT_WINDOW = 0.1  # seconds
+
 
 class Passes:
     """One pass at a time over the work that changed: validator, transitioner, assimilator."""
@@ -84,7 +89,11 @@ class Passes:
             except Exception:
                 log.exception("coordinator loop failed; stopping")
                 raise
-            delay = min(self.ledger.next_due() - time.time(), 1.0)
+            delay = min(
+                self.ledger.next_due() - time.time(),
+                self.ledger.commit_due_in(COMMIT_WINDOW),
+                1.0,
+            )
             if self._wake.is_set() or self.ledger.touched or self.to_validate:
                 delay = 0
             self._wake.clear()
@@ -95,7 +104,8 @@ class Passes:
                 await asyncio.sleep(0)
 
     async def step(self, now: float) -> None:
-        """One pass: validate what arrived, move due work units on, assimilate, commit."""
+        """One pass: validate what arrived, move due work units on, assimilate; commit what
+        has waited COMMIT_WINDOW."""
         # A pass awaits (Freivalds, reading tiles, commits) between looking at a work unit
         # and changing it; an operator's cancel must not land in between.
         async with self.lock:
@@ -119,7 +129,8 @@ class Passes:
             self.products.tiles.clear()
         self._accelerate_tails(now)
         self.after_pass(now)
-        await self.ledger.flush()
+        if self.ledger.commit_due_in(COMMIT_WINDOW) == 0:
+            await self.ledger.flush()
 
     def _transition(self, wu_id: str, now: float) -> bool:
         """Move a due work unit on; True when the crowd's budget for it just ran out."""

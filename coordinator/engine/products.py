@@ -226,7 +226,13 @@ class Products:
             gid = describe(attempt=attempt)
             if gid in self.outputs:
                 return gid, None
-            gemm = self.ledger.gemms.get(gid) or await self.store.gemm(gid)
+            gemm = self.ledger.gemms.get(gid)
+            if gemm is None:
+                if self.ledger.is_queued(gid):
+                    # Finished and forgotten a moment ago, its end not yet committed: the
+                    # store must say "done" before its tiles are read from it.
+                    await self.ledger.flush()
+                gemm = await self.store.gemm(gid)
             if gemm is None or gemm.state is not GemmState.FAILED or gid in self.failed_here:
                 return gid, gemm
             attempt += 1
@@ -339,11 +345,11 @@ class Products:
         # "late", rather than applied to records that are about to leave memory unjudged.
         self.outputs.pop(gemm.id, None)
         self.ledger.forget_gemm(gemm.id)
-        # The training loop goes on at once; the commit follows. A crash in between loses
-        # nothing committed: the step is recomputed from the last checkpoint.
+        # The training loop goes on at once; the commit follows with the next reply's, or
+        # the passes' (COMMIT_WINDOW). A crash in between loses nothing committed: the step
+        # is recomputed from the last checkpoint.
         if not output.done.done():
             output.done.set_result(output.out)
-        await self.ledger.flush()
 
     def end_replicas(self, wu: WorkUnit, message: str, now: float) -> int:
         """Unsent results become didnt_need, those in progress aborted (their hosts are told

@@ -62,7 +62,8 @@ class Reports:
         """Accept a batch of results: all entries are checked before any is applied.
 
         A batch refused for a forged or malformed result costs the host as an invalid result
-        would: an honest client never sends one, and a liar must not lie for free."""
+        would: an honest client never sends one, and a liar must not lie for free. A report
+        that also asks for work is committed with the answer to that ask (server/api.py)."""
         try:
             return await self._report(host, request, now)
         except (BadRequest, Forbidden) as exc:
@@ -144,7 +145,10 @@ class Reports:
             verdict = self._apply(host, entry, result, wu, tile is not None, now)
             summary[verdict].append(entry.result_id)
         self.ledger.put_host(self.ledger.hosts[host.id].evolve(last_contact=now))
-        await self.ledger.flush()
+        if request.work is None:
+            await self.ledger.flush()
+        # else: committed with the answer to the host's ask for work, in one transaction
+        # (server/api.py report), before either answer leaves.
         self.wake()
         return summary
 

@@ -205,7 +205,11 @@ async def report(request: web.Request) -> web.Response:
     except protocol.Forbidden:
         # Quarantined by this very report: the report stands, and the host hears why when
         # it asks for work on its own.
+        await co.ledger.flush()
         return msgpack_response(summary)
+    # The report's changes went out with the answer's commit; a stored answer (a retry)
+    # commits nothing, so this makes sure of it (free when nothing is queued).
+    await co.ledger.flush()
     body = protocol.encode_with(summary, "work", work)
     return web.Response(body=body, content_type=protocol.CONTENT_TYPE)
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import heapq
 import math
+import time
 from collections import Counter, defaultdict, deque
 from collections.abc import Callable
 
@@ -56,6 +57,7 @@ class Ledger:
         self.workunit_counts: Counter[str] = Counter()
         self.invalid_count = 0
         self._batch = Batch()
+        self._queued_since: float | None = None  # monotonic time of the oldest queued change
         self._lock = asyncio.Lock()
         self.on_unsent: Callable[[], None] | None = None  # new work for waiting hosts
         # The latest results reported (host, sent, received, outcome): the dashboard's task
@@ -75,11 +77,13 @@ class Ledger:
     def put_gemm(self, gemm: Gemm) -> None:
         self.gemms[gemm.id] = gemm
         self._batch.gemms[gemm.id] = gemm
+        self._queued()
 
     def put_host(self, host: Host) -> None:
         self.hosts[host.id] = host
         self.host_by_token[host.token_hash] = host.id
         self._batch.hosts[host.id] = host
+        self._queued()
 
     def put_wu(self, wu: WorkUnit) -> None:
         old = self.wus.get(wu.id)
@@ -89,6 +93,7 @@ class Ledger:
         self.wus[wu.id] = wu
         self.wus_of[wu.gemm_id][wu.id] = None
         self._batch.workunits[wu.id] = wu
+        self._queued()
         self._schedule(wu)
 
     def _schedule(self, wu: WorkUnit) -> None:
@@ -129,12 +134,19 @@ class Ledger:
         self.results[result.id] = result
         self._index(result)
         self._batch.results[result.id] = result
+        self._queued()
 
     def log(self, events: list[Event]) -> None:
         self._batch.events.extend(events)
+        self._queued()
 
     def remember_reply(self, reply: Reply) -> None:
         self._batch.replies.append(reply)
+        self._queued()
+
+    def _queued(self) -> None:
+        if self._queued_since is None:
+            self._queued_since = time.monotonic()
 
     def _index(self, r: Result) -> None:
         self.results_of[r.wu_id][r.id] = None
@@ -201,10 +213,22 @@ class Ledger:
 
     # ---- committing ----------------------------------------------------------------------
 
+    def is_queued(self, gemm_id: str) -> bool:
+        """True when a change to this GEMM waits for the next commit."""
+        return gemm_id in self._batch.gemms
+
+    def commit_due_in(self, window: float) -> float:
+        """Seconds until the oldest queued change has waited `window` (0: overdue; inf:
+        nothing is queued)."""
+        if self._queued_since is None:
+            return math.inf
+        return max(0.0, self._queued_since + window - time.monotonic())
+
     async def flush(self) -> None:
         """Commit everything queued so far (group commit: one transaction for many changes)."""
         async with self._lock:
             batch, self._batch = self._batch, Batch()
+            self._queued_since = None
             if not batch:
                 return
             commit = asyncio.ensure_future(self.store.commit(batch))

@@ -130,6 +130,7 @@ async def test_a_cancel_while_the_last_tile_is_read_waits_for_that_pass_and_the_
         (got,) = await asyncio.gather(product, return_exceptions=True)
         (counts,) = await asyncio.gather(cancel, return_exceptions=True)
         assert not co.loop.done(), "the coordinator's loop died"
+        await co.ledger.flush()  # the pass's decisions are committed within COMMIT_WINDOW
         states = [e.state for e in await co.store.events(kind="gemm")]
         # The pass that was reading finishes first (the cancel waits for it): the product is
         # done and there is nothing left to cancel. Never both, never a lost cancel.

@@ -8,10 +8,12 @@ import numpy as np
 import pytest
 
 import kernels
-from coordinator.work.records import Policy, Redundancy
+from coordinator.engine import coordinator as coordinator_module
+from coordinator.engine.passes import COMMIT_WINDOW
+from coordinator.work.records import Outcome, Policy, Redundancy
 from tests.factories import TIMEOUT, bits, operands, running, volunteers
 from tests.volunteers import Behaviour, ScriptedVolunteer, wait_until
-from volunteer.client import CoordinatorClient
+from volunteer.client import CoordinatorClient, compute_tile
 
 
 @pytest.mark.parametrize("policy", list(Policy))
@@ -179,6 +181,7 @@ async def test_replicas_nobody_needs_end_judged_or_dropped_when_their_product_is
                 await client.__aexit__(None, None, None)
         assert np.array_equal(bits(got), bits(kernels.gemm(a, b)))
         late = reports[2][last]["result_id"]
+        await co.ledger.flush()  # the pass's decisions are committed within COMMIT_WINDOW
         _, results = await co.store.gemm_work(gemm_id)
         states = {
             r.id: (r.server_state.value, r.outcome.value, r.validate_state.value) for r in results
@@ -210,3 +213,49 @@ async def test_small_panels_come_inside_the_work_reply_unless_the_host_has_them(
             again = await bob.request_work("b1", capacity=1, cached=sorted(panels))
             assert again["assignments"] and not again.get("blobs")
         product.cancel()
+
+
+async def _one_tile_reported(co, url, rng, work: dict | None) -> tuple[asyncio.Future, dict]:
+    """A one-tile product, its tile computed and reported by a protocol client; returns the
+    product being awaited and the answer to the report."""
+    a, b = operands(rng, 16, 16, 8, False, False)
+    product = asyncio.ensure_future(co.products.matmul(a, b, step=1))
+    await wait_until(lambda: co.ledger.unsent)
+    async with CoordinatorClient(url) as client:
+        await client.register("h")
+        (job,) = (await client.request_work("w1", capacity=1))["assignments"]
+        blobs = [await client.fetch_blob(job[k], max_bytes=1 << 20) for k in "ab"]
+        output_hash, tile = compute_tile(job, *blobs)
+        entry = {"result_id": job["result_id"], "hash": output_hash, "tile": tile}
+        answer = await client.report([entry], work=work)
+    assert answer["accepted"] == [job["result_id"]]
+    assert np.array_equal(bits(await asyncio.wait_for(product, TIMEOUT)), bits(kernels.gemm(a, b)))
+    return product, answer
+
+
+async def test_a_report_that_asks_for_work_is_committed_before_either_answer_leaves(tmp_path, rng):
+    """A report that asks for more work is committed with the answer to that ask, in one
+    transaction, and before the reply goes out."""
+    ask = {"request_id": "w2", "capacity": 1, "cached": [], "in_progress": [], "wait": False}
+    async with running(tmp_path, tile=16, policy=Policy.FREIVALDS) as (co, _queue, url):
+        _, answer = await _one_tile_reported(co, url, rng, ask)
+        assert answer["work"]["assignments"] == []
+        (result_id,) = answer["accepted"]
+        assert (await co.store.result(result_id)).outcome is Outcome.SUCCESS
+
+
+async def test_a_finished_product_is_committed_within_the_commit_window_with_no_reply_after_it(
+    tmp_path, rng, monkeypatch
+):
+    """A pass's decisions wait for the next reply's commit, but no longer than COMMIT_WINDOW:
+    with no host asking again, the product's end still reaches the database."""
+    # The watch over why work waits commits what it says; here it must say nothing.
+    monkeypatch.setattr(coordinator_module, "WAIT_CHECK_EVERY", 3600.0)
+    async with running(tmp_path, tile=16, policy=Policy.FREIVALDS) as (co, _queue, url):
+        # A report without a work request is committed before the pass that judges it runs.
+        await _one_tile_reported(co, url, rng, None)
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + 20 * COMMIT_WINDOW + 5
+        while [e.state for e in await co.store.events(kind="gemm")] != ["created", "done"]:
+            assert loop.time() < deadline, "the finished product was never committed"
+            await asyncio.sleep(COMMIT_WINDOW / 10)
