@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import GaugeMetricFamily
@@ -63,9 +64,19 @@ class Metrics:
         self.loss = Gauge("tilehive_loss", "Training loss of the last step", registry=r)
         self.step = Gauge("tilehive_step", "Last completed training step", registry=r)
         r.register(_StateGauges(snapshot))
+        self._children: dict[tuple[int, tuple[str, ...]], Any] = {}
+
+    def labelled(self, metric: Counter | Histogram, *labels: str) -> Any:
+        """`metric.labels(*labels)`, remembered: prometheus_client checks and locks on every
+        labels() call, and a result meets several (each request, report and verdict)."""
+        key = (id(metric), labels)
+        child = self._children.get(key)
+        if child is None:
+            child = self._children[key] = metric.labels(*labels)
+        return child
 
     def validation(self, method: str, outcome: str) -> None:
-        self.validations.labels(method, outcome).inc()
+        self.labelled(self.validations, method, outcome).inc()
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

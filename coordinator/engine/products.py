@@ -318,7 +318,10 @@ class Products:
             return
         tile = self.tiles.get(wu.canonical_hash)
         if tile is None:
-            tile = await asyncio.to_thread(canonical_tile, self.blobs, wu)
+            # A small tile is read on the loop: a hop to a thread would cost more than it.
+            tile = await offload(
+                lambda: canonical_tile(self.blobs, wu), sizing.tile_bytes(*wu.shape)
+            )
         output.out[wu.i0 : wu.i1, wu.j0 : wu.j1] = tile
         output.remaining.discard(wu.id)
         if wu.state is not WuState.ASSIMILATED:

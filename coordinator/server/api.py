@@ -95,12 +95,12 @@ async def measured(request: web.Request, handler: Handler) -> web.StreamResponse
     metrics = request.app[COORDINATOR].metrics
     route = request.match_info.route.resource
     endpoint = route.canonical if route is not None else "other"
-    metrics.requests.labels(endpoint).observe(time.perf_counter() - started)
+    metrics.labelled(metrics.requests, endpoint).observe(time.perf_counter() - started)
     if request.content_length:
-        metrics.bytes.labels("in").inc(request.content_length)
+        metrics.labelled(metrics.bytes, "in").inc(request.content_length)
     size = response.content_length or getattr(response, "_blob_size", 0)
     if size:
-        metrics.bytes.labels("out").inc(size)
+        metrics.labelled(metrics.bytes, "out").inc(size)
     return response
 
 

@@ -7,7 +7,6 @@ changed copy, which the coordinator's state keeps and the store persists.
 
 from __future__ import annotations
 
-import dataclasses
 import enum
 from dataclasses import dataclass
 from typing import Any, Self
