@@ -38,12 +38,16 @@ from coordinator.work.records import (  # noqa: E402
     Host,
     Outcome,
     Policy,
+    Redundancy,
     Result,
     ServerState,
     ValidateState,
     WorkUnit,
     WuState,
+    tile_bounds,
+    tile_workunit,
 )
+from kernels import KERNEL_VERSION  # noqa: E402
 
 PER_REQUEST = 4  # work units a host takes, reports and gets judged at a time
 PHASES = ("publish", "assign", "report", "judge")
@@ -64,29 +68,10 @@ def product(n: int) -> tuple[Gemm, list[WorkUnit], dict[str, list[Result]]]:
         b_id="b" * 64,
         policy=Policy.QUORUM,
     )
+    redundancy = Redundancy(target_nresults=2, min_quorum=2)
     wus = [
-        WorkUnit(
-            id=os.urandom(32).hex(),  # content hashes: random keys, as in the coordinator
-            gemm_id=gemm.id,
-            step=1,
-            i0=4 * i,
-            i1=4 * i + 4,
-            j0=0,
-            j1=4,
-            k=8,
-            a_panel="a" * 64,
-            b_panel="b" * 64,
-            trans_a=False,
-            trans_b=False,
-            kernel_version=1,
-            policy=Policy.QUORUM,
-            target_nresults=2,
-            min_quorum=2,
-            max_error_results=4,
-            max_total_results=24,
-            delay_bound=60.0,
-        )
-        for i in range(n)
+        tile_workunit(gemm, bounds, "a" * 64, "b" * 64, redundancy, KERNEL_VERSION)
+        for bounds in tile_bounds(gemm.m, gemm.n, gemm.tile)
     ]
     results = {
         wu.id: [Result(id=os.urandom(16).hex(), wu_id=wu.id) for _ in range(2)] for wu in wus
