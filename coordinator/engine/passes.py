@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import dataclasses
 import json
 import logging
 import time
@@ -335,4 +334,4 @@ def _with_data(event: Event, method: str, compared: int, cv: tuple[int, int] | N
     fields: dict = {"method": method, "compared": compared}
     if cv is not None:
         fields["trust_before"], fields["trust_after"] = cv
-    return dataclasses.replace(event, data=json.dumps(fields))
+    return event.evolve(data=json.dumps(fields))

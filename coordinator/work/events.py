@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Self
+
+from coordinator.work.records import evolve_record
 
 
 @dataclass(frozen=True, slots=True)
@@ -20,6 +23,9 @@ class Event:
     host_id: int | None = None
     id: int | None = None  # assigned by the store
     data: str = ""  # JSON of structured fields (validation: method, trust before and after)
+
+    def evolve(self, **changes: object) -> Self:
+        return evolve_record(self, changes)
 
     @classmethod
     def about(cls, wu, now: float, state: str, message: str, result=None) -> Event:

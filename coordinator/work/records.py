@@ -115,7 +115,7 @@ class Gemm:
     created: float = 0.0
 
     def evolve(self, **changes: object) -> Self:
-        return _evolve(self, changes)
+        return evolve_record(self, changes)
 
 
 @dataclass(frozen=True, slots=True)
@@ -159,7 +159,7 @@ class WorkUnit:
         return 2 * m * n * k
 
     def evolve(self, **changes: object) -> Self:
-        return _evolve(self, changes)
+        return evolve_record(self, changes)
 
 
 @dataclass(frozen=True, slots=True)
@@ -181,7 +181,7 @@ class Result:
     error: str = ""
 
     def evolve(self, **changes: object) -> Self:
-        return _evolve(self, changes)
+        return evolve_record(self, changes)
 
 
 @dataclass(frozen=True, slots=True)
@@ -204,13 +204,13 @@ class Host:
     quarantined: bool = False
 
     def evolve(self, **changes: object) -> Self:
-        return _evolve(self, changes)
+        return evolve_record(self, changes)
 
 
-def _evolve(record: Any, changes: dict[str, object]) -> Any:
-    """`dataclasses.replace` for these frozen, slotted records, at half its cost: a result
-    changes several times in a report's life, and replace() runs the whole __init__. The
-    records have no __post_init__, so copying the slots is the same record."""
+def evolve_record(record: Any, changes: dict[str, object]) -> Any:
+    """`dataclasses.replace` for the frozen, slotted records (these and events), at half its
+    cost: a result changes several times in a report's life, and replace() runs the whole
+    __init__. The records have no __post_init__, so copying the slots is the same record."""
     cls = type(record)
     fields = cls.__dataclass_fields__
     for name in changes:
