@@ -100,6 +100,11 @@ class Coordinator:
         self._tasks: list[asyncio.Task] = []
 
     async def start(self) -> None:
+        swept = await asyncio.to_thread(self.blobs.sweep_temporary)
+        if swept:
+            log.info(
+                "removed %d unfinished blob file(s) left in %s by a stop", swept, self.blobs.root
+            )
         await self.store.open()
         snapshot = await self.store.load()
         self.ledger.restore(snapshot)

@@ -158,6 +158,18 @@ class BlobStore:
         # meanwhile, so that callers wait and retry instead of piling blobs up in memory.
         self.failure: OSError | None = None
 
+    def sweep_temporary(self) -> int:
+        """Delete the temporary files that a kill in the middle of a write left behind
+        (`.tmp-*`: never a blob, never read); returns how many. Only for the one process
+        that writes this store (the coordinator, holding the project's lock), before it
+        writes anything: another writer's temporary files would go too."""
+        swept = 0
+        for folder in (self.root, *(p for p in self.root.iterdir() if p.is_dir())):
+            for tmp in folder.glob(".tmp-*"):
+                tmp.unlink(missing_ok=True)
+                swept += 1
+        return swept
+
     def path(self, blob: str) -> Path:
         if not is_blob_id(blob):
             raise ValueError(f"not a blob id: {blob!r}")

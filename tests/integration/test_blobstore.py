@@ -13,6 +13,7 @@ import pytest
 import kernels
 from coordinator.state import blobs as blobs_module
 from coordinator.state.blobs import DIRECT_BYTES, DIRECT_CHUNK, BlobNotFound, BlobStore
+from tests.factories import running
 
 
 def tiles(count: int, seed: int = 0) -> list[bytes]:
@@ -197,3 +198,24 @@ def test_a_file_system_that_refuses_direct_writes_gets_buffered_ones(tmp_path, m
     assert len(refused) <= 1  # tried once, unless open() refused O_DIRECT already
     assert not list(tmp_path.rglob(".tmp-*"))
     assert BlobStore(tmp_path, max_blob_bytes=64 << 20).get(blob) == data
+
+
+def test_the_temporary_files_of_writes_a_kill_cut_short_are_swept_and_blobs_kept(tmp_path):
+    store = BlobStore(tmp_path / "blobs", max_blob_bytes=1 << 20)
+    kept = store.put_many([(blob, None) for blob in tiles(3)])
+    folder = store.path(kept[0]).parent
+    # What a kill leaves: a buffered write's mkstemp file, and a direct write's.
+    (folder / ".tmp-abc123").write_bytes(b"half a tile")
+    (store.root / ".tmp-0123456789abcdef-42").write_bytes(b"")
+    assert store.sweep_temporary() == 2
+    assert sorted(p.name for p in store.root.rglob(".tmp-*")) == []
+    assert all(store.get(blob) is not None for blob in kept)
+
+
+async def test_a_coordinator_starting_sweeps_what_a_kill_left_in_its_blob_store(tmp_path):
+    leftover = tmp_path / "project" / "blobs" / "ab" / ".tmp-abcdef0123456789-7"
+    leftover.parent.mkdir(parents=True)
+    leftover.write_bytes(b"a tile cut short")
+    async with running(tmp_path) as (co, _queue, _url):
+        assert not leftover.exists()
+        assert co.blobs.root == leftover.parent.parent
