@@ -186,6 +186,7 @@ async def _train(
     trainer = Trainer(project, VolunteerBackend(coordinator.products, loop))
     coordinator.progress.restore(history.read(trainer.metrics), steps)
     # The trainer runs on a thread of its own: what it reports and prunes, it hands back here.
+    trainer.before_checkpoint = lambda: on_loop(coordinator.ledger.flush(), loop)
     trainer.on_checkpoint = lambda step: on_loop(coordinator.retention.prune(step), loop)
     thread = TrainingThread(
         lambda: trainer.run(on_step=lambda report: loop.call_soon_threadsafe(on_step, report))

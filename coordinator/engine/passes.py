@@ -116,6 +116,8 @@ class Passes:
             await self._check_tiles(sorted(to_validate))
             for wu_id in sorted(to_validate):
                 await self.validate(wu_id, now)
+                if self.ledger.commit_due_in(COMMIT_WINDOW) == 0:
+                    await self.ledger.flush()  # a long pass holds nothing past the window
         finally:
             self.products.tiles.clear()
         exhausted = [

@@ -317,11 +317,14 @@ class Products:
         if output is None or wu.id not in output.remaining:
             return
         tile = self.tiles.get(wu.canonical_hash)
-        if tile is None:
-            # A small tile is read on the loop: a hop to a thread would cost more than it.
+        if tile is None and self.blobs.in_memory(wu.canonical_hash) is not None:
+            # A small tile in memory is decoded on the loop: a hop to a thread costs more.
             tile = await offload(
                 lambda: canonical_tile(self.blobs, wu), sizing.tile_bytes(*wu.shape)
             )
+        elif tile is None:
+            # From the disk, or recomputed after a kill (engine/recovery.py): on a thread.
+            tile = await asyncio.to_thread(canonical_tile, self.blobs, wu)
         output.out[wu.i0 : wu.i1, wu.j0 : wu.j1] = tile
         output.remaining.discard(wu.id)
         if wu.state is not WuState.ASSIMILATED:

@@ -89,6 +89,7 @@ class WorkRequests:
         if stored is not None:
             return stored
         if host.quarantined:
+            await self.ledger.flush()  # the verdict that quarantined it, if still queued
             raise Forbidden(
                 f"host {host.id} is quarantined after {host.invalid_count} invalid results"
             )

@@ -166,7 +166,10 @@ class BlobStore:
         swept = 0
         for folder in (self.root, *(p for p in self.root.iterdir() if p.is_dir())):
             for tmp in folder.glob(".tmp-*"):
-                tmp.unlink(missing_ok=True)
+                try:
+                    tmp.unlink()
+                except OSError:
+                    continue  # gone already, or not a file: not ours to force
                 swept += 1
         return swept
 

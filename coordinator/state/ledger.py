@@ -58,6 +58,7 @@ class Ledger:
         self.invalid_count = 0
         self._batch = Batch()
         self._queued_since: float | None = None  # monotonic time of the oldest queued change
+        self._committing = Batch()  # the batch of the commit under way (empty if none)
         self._lock = asyncio.Lock()
         self.on_unsent: Callable[[], None] | None = None  # new work for waiting hosts
         # The latest results reported (host, sent, received, outcome): the dashboard's task
@@ -214,8 +215,9 @@ class Ledger:
     # ---- committing ----------------------------------------------------------------------
 
     def is_queued(self, gemm_id: str) -> bool:
-        """True when a change to this GEMM waits for the next commit."""
-        return gemm_id in self._batch.gemms
+        """True when a change to this GEMM is not in the store yet: queued, or in the
+        commit under way."""
+        return gemm_id in self._batch.gemms or gemm_id in self._committing.gemms
 
     def commit_due_in(self, window: float) -> float:
         """Seconds until the oldest queued change has waited `window` (0: overdue; inf:
@@ -231,6 +233,7 @@ class Ledger:
             self._queued_since = None
             if not batch:
                 return
+            self._committing = batch
             commit = asyncio.ensure_future(self.store.commit(batch))
             try:
                 await asyncio.shield(commit)
@@ -239,3 +242,5 @@ class Ledger:
                 # with the task, and the next commit must not start inside this one.
                 await commit
                 raise
+            finally:
+                self._committing = Batch()

@@ -80,6 +80,9 @@ class Trainer:
         self.metrics = project.directory / "train.jsonl"
         # Called after each checkpoint with its step (the coordinator prunes old blobs).
         self.on_checkpoint: Callable[[int], Awaitable[object]] | None = None
+        # Awaited before each checkpoint is written (the coordinator commits what its
+        # products' ends left queued: no checkpoint is on disk before its step is done there).
+        self.before_checkpoint: Callable[[], Awaitable[object]] | None = None
 
     def _corpus(self) -> Corpus:
         if self.corpus is None:
@@ -164,6 +167,8 @@ class Trainer:
                         asyncio.to_thread(asyncio.run, self.evaluate(frozen, step))
                     )
                 if step % t.checkpoint_every == 0 or step == last:
+                    if self.before_checkpoint is not None:
+                        await self.before_checkpoint()
                     await asyncio.to_thread(
                         checkpoints.save, self.project.checkpoints, step, params, state
                     )

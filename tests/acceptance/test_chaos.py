@@ -240,12 +240,13 @@ async def churn(tmp_path: Path, reaper, steps: int, pace: float, crew: int) -> N
 async def test_volunteers_killed_every_second_and_a_half_leave_the_model_bitwise_equal(
     tmp_path, reaper
 ):
-    await churn(tmp_path, reaper, steps=5, pace=1.5, crew=3)
+    # Ten steps: a faster coordinator ended five of them before the second kill.
+    await churn(tmp_path, reaper, steps=10, pace=1.5, crew=3)
 
 
 @pytest.mark.slow
-async def test_volunteers_killed_every_two_seconds_over_ten_steps(tmp_path, reaper):
-    await churn(tmp_path, reaper, steps=10, pace=2.0, crew=4)
+async def test_volunteers_killed_every_two_seconds_over_twenty_steps(tmp_path, reaper):
+    await churn(tmp_path, reaper, steps=20, pace=2.0, crew=4)
 
 
 # ---- the coordinator killed mid-step -----------------------------------------------------

@@ -204,7 +204,7 @@ def test_the_temporary_files_of_writes_a_kill_cut_short_are_swept_and_blobs_kept
     store = BlobStore(tmp_path / "blobs", max_blob_bytes=1 << 20)
     kept = store.put_many([(blob, None) for blob in tiles(3)])
     folder = store.path(kept[0]).parent
-    # What a kill leaves: a buffered write's mkstemp file, and a direct write's.
+    # What a kill leaves: the temporary files of writes it cut short.
     (folder / ".tmp-abc123").write_bytes(b"half a tile")
     (store.root / ".tmp-0123456789abcdef-42").write_bytes(b"")
     assert store.sweep_temporary() == 2

@@ -215,9 +215,11 @@ async def test_small_panels_come_inside_the_work_reply_unless_the_host_has_them(
         product.cancel()
 
 
-async def _one_tile_reported(co, url, rng, work: dict | None) -> tuple[asyncio.Future, dict]:
-    """A one-tile product, its tile computed and reported by a protocol client; returns the
-    product being awaited and the answer to the report."""
+async def _one_tile_reported(
+    co, url, rng, work: dict | None, watch=None
+) -> tuple[asyncio.Future, dict]:
+    """A one-tile product, its tile computed and reported by a protocol client (the report
+    awaited through `watch`, when given); returns the product and the answer."""
     a, b = operands(rng, 16, 16, 8, False, False)
     product = asyncio.ensure_future(co.products.matmul(a, b, step=1))
     await wait_until(lambda: co.ledger.unsent)
@@ -227,21 +229,43 @@ async def _one_tile_reported(co, url, rng, work: dict | None) -> tuple[asyncio.F
         blobs = [await client.fetch_blob(job[k], max_bytes=1 << 20) for k in "ab"]
         output_hash, tile = compute_tile(job, *blobs)
         entry = {"result_id": job["result_id"], "hash": output_hash, "tile": tile}
-        answer = await client.report([entry], work=work)
+        report = client.report([entry], work=work)
+        answer = await (report if watch is None else watch(report))
     assert answer["accepted"] == [job["result_id"]]
     assert np.array_equal(bits(await asyncio.wait_for(product, TIMEOUT)), bits(kernels.gemm(a, b)))
     return product, answer
 
 
-async def test_a_report_that_asks_for_work_is_committed_before_either_answer_leaves(tmp_path, rng):
+async def test_a_report_that_asks_for_work_is_committed_before_either_answer_leaves(
+    tmp_path, rng, monkeypatch
+):
     """A report that asks for more work is committed with the answer to that ask, in one
     transaction, and before the reply goes out."""
+    monkeypatch.setattr(coordinator_module, "WAIT_CHECK_EVERY", 3600.0)  # it commits too
     ask = {"request_id": "w2", "capacity": 1, "cached": [], "in_progress": [], "wait": False}
     async with running(tmp_path, tile=16, policy=Policy.FREIVALDS) as (co, _queue, url):
-        _, answer = await _one_tile_reported(co, url, rng, ask)
+        commits: list = []
+        stored: list = []
+        commit = co.store.commit
+
+        async def counted(batch):
+            commits.append(batch)
+            await commit(batch)
+
+        async def watch(report):
+            monkeypatch.setattr(co.store, "commit", counted)
+            # No pass may judge the tile meanwhile: its commit would take the report along.
+            async with co.passes.lock:
+                answer = await report
+                for result_id in answer["accepted"]:
+                    stored.append(await co.store.result(result_id))
+            return answer
+
+        _, answer = await _one_tile_reported(co, url, rng, ask, watch)
         assert answer["work"]["assignments"] == []
-        (result_id,) = answer["accepted"]
-        assert (await co.store.result(result_id)).outcome is Outcome.SUCCESS
+        assert [r.outcome for r in stored] == [Outcome.SUCCESS]
+        # One transaction while the report was answered: the report's and the answer's.
+        assert [list(batch.results) for batch in commits] == [answer["accepted"]]
 
 
 async def test_a_finished_product_is_committed_within_the_commit_window_with_no_reply_after_it(
@@ -255,7 +279,7 @@ async def test_a_finished_product_is_committed_within_the_commit_window_with_no_
         # A report without a work request is committed before the pass that judges it runs.
         await _one_tile_reported(co, url, rng, None)
         loop = asyncio.get_running_loop()
-        deadline = loop.time() + 20 * COMMIT_WINDOW + 5
+        deadline = loop.time() + 20 * COMMIT_WINDOW  # 2 s: ten times the window, for CI
         while [e.state for e in await co.store.events(kind="gemm")] != ["created", "done"]:
             assert loop.time() < deadline, "the finished product was never committed"
             await asyncio.sleep(COMMIT_WINDOW / 10)
