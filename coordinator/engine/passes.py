@@ -116,8 +116,7 @@ class Passes:
             await self._check_tiles(sorted(to_validate))
             for wu_id in sorted(to_validate):
                 await self.validate(wu_id, now)
-                if self.ledger.commit_due_in(COMMIT_WINDOW) == 0:
-                    await self.ledger.flush()  # a long pass holds nothing past the window
+                await self._commit_if_due()  # a long pass holds nothing past the window
         finally:
             self.products.tiles.clear()
         exhausted = [
@@ -130,6 +129,9 @@ class Passes:
             self.products.tiles.clear()
         self._accelerate_tails(now)
         self.after_pass(now)
+        await self._commit_if_due()
+
+    async def _commit_if_due(self) -> None:
         if self.ledger.commit_due_in(COMMIT_WINDOW) == 0:
             await self.ledger.flush()
 

@@ -20,6 +20,7 @@ from __future__ import annotations
 import math
 import random
 import statistics
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from coordinator.state.ledger import Ledger
@@ -314,7 +315,9 @@ class Scheduler:
         return wu
 
 
-def _all_shares_taken(unsent_of_gemm, taken: dict[str, int], shares: dict[str, int]) -> bool:
+def _all_shares_taken(
+    unsent_of_gemm: Mapping[str, int], taken: dict[str, int], shares: dict[str, int]
+) -> bool:
     """True when every product with unsent results has given this plan its share."""
     return all(gemm in shares and taken.get(gemm, 0) >= shares[gemm] for gemm in unsent_of_gemm)
 

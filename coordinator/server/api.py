@@ -205,11 +205,12 @@ async def report(request: web.Request) -> web.Response:
     except protocol.Forbidden:
         # Quarantined by this very report: the report stands, and the host hears why when
         # it asks for work on its own.
-        await co.ledger.flush()
-        return msgpack_response(summary)
-    # The report's changes went out with the answer's commit; a stored answer (a retry)
-    # commits nothing, so this makes sure of it (free when nothing is queued).
+        work = None
+    # The report's changes went out with the answer's commit; a stored answer (a retry) or
+    # a refusal commits nothing, so this makes sure of it (free when nothing is queued).
     await co.ledger.flush()
+    if work is None:
+        return msgpack_response(summary)
     body = protocol.encode_with(summary, "work", work)
     return web.Response(body=body, content_type=protocol.CONTENT_TYPE)
 
