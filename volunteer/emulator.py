@@ -372,6 +372,7 @@ class EmulatedHost(PullLoop):
         the queued work, within `timeout`, so that a whole crowd stopping at once does not
         hand back every tile it was just given."""
         deadline = time.monotonic() + timeout
+        self.leaving = True
         if graceful and drain:
             try:
                 async with asyncio.timeout(timeout):

@@ -19,6 +19,7 @@ import logging
 import secrets
 import time
 from collections import deque
+from collections.abc import Awaitable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -30,6 +31,7 @@ from volunteer.policy import (
     MAX_CACHED_IDS,
     MAX_CAPACITY,
     UNSIZED_BLOB,
+    ask_ahead,
     capacity,
     memory_refusal,
     report_batch,
@@ -40,6 +42,8 @@ from volunteer.policy import (
 from volunteer.session import NETWORK, TRANSIENT, CoordinatorSession, ProjectFinished, wait
 
 log = logging.getLogger(__name__)
+
+ROUND_TRIPS_KEPT = 16  # calls whose duration estimates the round trip (their minimum)
 
 
 class OperandCache(Protocol):
@@ -123,11 +127,19 @@ class PullLoop(CoordinatorSession):
         self.limit_name = "the memory limit"  # how a refusal names it to the user
         self.queue: deque[Job] = deque()
         self.pending: list[dict[str, Any]] = []  # reports not yet sent
+        self.sending: list[dict[str, Any]] = []  # reports on their way
         self.computing: str | None = None
         self.aborted: set[str] = set()  # told to drop while computing: not reported
         self.downloads = Downloads()
         self.short = False  # the last work request brought fewer tiles than it asked for
         self.tile_flops = 0.0
+        # The next work is asked for while the last queued tile computes, when that tile
+        # takes longer than the round trips the answer needs (policy.ask_ahead): the
+        # volunteer then never waits for the network between tiles.
+        self.asking: asyncio.Future | None = None  # the work request in flight, if any
+        self.round_trips: deque[float] = deque(maxlen=ROUND_TRIPS_KEPT)
+        self.flops_per_second = 0.0  # measured on the tiles computed so far
+        self.leaving = False  # set when the session ends: no more asking ahead
         # Each work request has its own id: the coordinator keeps its reply under it, so
         # one request delivered twice is answered, and assigns work, once.
         self._session_id = secrets.token_hex(4)
@@ -178,23 +190,32 @@ class PullLoop(CoordinatorSession):
     async def _cycle(self, stop: asyncio.Event) -> None:
         pause = self._paused()
         if pause:
+            if self.asking is not None:
+                await self._answer()
             await self._flush()  # finished tiles are not held back by a pause
             await wait(stop, pause)
             return
-        room = self._capacity()
         reply = None
+        if self.asking is not None and (not self.queue or self.asking.done()):
+            reply = await self._answer()
+        room = self._capacity()
         # With nothing queued it always asks, for no work if it has no room: a heartbeat
         # that lists what it holds (and is where aborts come back), never a spin.
-        if not self.queue or time_to_ask(len(self.queue), room, self.short):
+        if reply is None and (not self.queue or time_to_ask(len(self.queue), room, self.short)):
             reply = await self._ask(room)
         if self.queue:
             self.state = "working"
             self.backoff.reset()
             self.idle.reset()
             await self._compute_next()
+            if self.asking is not None and not self.asking.done():
+                if not self.queue and self.pending:
+                    # The coordinator may be waiting for this tile before it has more
+                    # work: the ask in flight would wait for what this report brings.
+                    await self._flush()
             # With the queue empty the next cycle asks for work at once, and the reports
             # ride on that request.
-            if self.queue and report_due(self.pending, len(self.queue)):
+            elif self.queue and report_due(self.pending, len(self.queue)):
                 await self._flush()
         elif reply is not None and not reply["assignments"]:
             self.state = "idle"
@@ -227,8 +248,8 @@ class PullLoop(CoordinatorSession):
             reply = None if answer is None else answer.get("work")
         if not isinstance(reply, dict):  # nothing to report, or refused with its report
             message["in_progress"] = self._in_progress()
-            reply = await self._call(
-                "work", lambda: self.client.request_work(request_id, **message)
+            reply = await self._timed(
+                self._call("work", lambda: self.client.request_work(request_id, **message))
             )
         self._heard(reply, wait_for_work)
         if reply.get("finished"):
@@ -236,6 +257,33 @@ class PullLoop(CoordinatorSession):
         self.short = len(reply["assignments"]) < room
         self._keep_inline(reply.get("blobs") or {})
         self._take(reply)
+        return reply
+
+    async def _answer(self) -> dict[str, Any]:
+        """The answer to the work request in flight, taken into the queue."""
+        asking, self.asking = self.asking, None
+        return await asking
+
+    def _ask_ahead(self, assignment: dict[str, Any]) -> None:
+        """Before computing the last queued tile: ask for the next work now if it can
+        arrive before this tile is done."""
+        if self.queue or self.asking is not None or self.leaving:
+            return
+        flops = 2.0 * assignment["m"] * assignment["n"] * assignment["k"]
+        rate = self.flops_per_second or self.gflops * 1e9
+        seconds = flops / rate if rate else 0.0
+        if ask_ahead(seconds, self.round_trip()):
+            self.asking = asyncio.ensure_future(self._ask(self._capacity()))
+
+    def round_trip(self) -> float | None:
+        """Seconds a call takes at the least, lately: a long poll that waited is never
+        the least, so the minimum is the network and the coordinator's answer alone."""
+        return min(self.round_trips) if self.round_trips else None
+
+    async def _timed(self, call: Awaitable[Any]) -> Any:
+        started = time.monotonic()
+        reply = await call
+        self.round_trips.append(time.monotonic() - started)
         return reply
 
     def _keep_inline(self, blobs: dict[str, bytes]) -> None:
@@ -257,7 +305,7 @@ class PullLoop(CoordinatorSession):
         ids = [job.assignment["result_id"] for job in self.queue]
         if self.computing:
             ids.append(self.computing)
-        return ids + [r["result_id"] for r in self.pending]
+        return ids + [r["result_id"] for r in (*self.sending, *self.pending)]
 
     def _take(self, reply: dict[str, Any]) -> None:
         for result_id in reply.get("abort", []):
@@ -340,6 +388,7 @@ class PullLoop(CoordinatorSession):
             self.log.info("skipped %s: its deadline passed before we got to it", result_id)
             return
         self.computing = result_id  # left set if cancelled: leave() gives it back
+        self._ask_ahead(assignment)
         try:
             output_hash, tile, seconds = await self._kernel(assignment, a, b)
         except ValueError as exc:
@@ -350,9 +399,15 @@ class PullLoop(CoordinatorSession):
         if result_id in self.aborted:
             self.aborted.discard(result_id)
             return
+        flops = 2.0 * assignment["m"] * assignment["n"] * assignment["k"]
         self.stats.tiles += 1
-        self.stats.flops += 2.0 * assignment["m"] * assignment["n"] * assignment["k"]
+        self.stats.flops += flops
         self.stats.compute_seconds += seconds
+        if seconds > 0:
+            rate = flops / seconds
+            self.flops_per_second = (
+                rate if not self.flops_per_second else (0.75 * self.flops_per_second + 0.25 * rate)
+            )
         report = self.report_of(assignment, output_hash, tile, seconds)
         if report is not None:
             self.pending.append(report)
@@ -385,15 +440,25 @@ class PullLoop(CoordinatorSession):
             return None
         batch = report_batch(self.pending)
         size = sum(len(r.get("tile", b"")) + 64 for r in batch)
+        # Out of `pending` while on the way (still listed as in progress), so a report sent
+        # beside a work request in flight does not send them twice.
+        del self.pending[: len(batch)]
+        self.sending += batch
         reply = None
         try:
-            reply = await self._call("report", lambda: self.client.report(batch, work), up=size)
+            reply = await self._timed(
+                self._call("report", lambda: self.client.report(batch, work), up=size)
+            )
         except ServerRefused as exc:
             if exc.retriable or exc.status == 401:
-                raise  # kept: sent again after the backoff (or after registering again)
+                self.pending[:0] = batch  # sent again after the backoff (or registering)
+                raise
             # Any other 4xx names a report the coordinator will never take: never resend it.
             self.log.error("the coordinator refused %d report(s): %s", len(batch), exc.message)
             self._failed("report", exc)
+        except BaseException:
+            self.pending[:0] = batch  # cut off or cancelled: sent again
+            raise
         else:
             accepted = set(reply.get("accepted", []))
             self.stats.reported += sum(
@@ -401,8 +466,10 @@ class PullLoop(CoordinatorSession):
             )
             self.stats.late += len(reply.get("late", []))
             self.stats.duplicate += len(reply.get("duplicate", []))
+        finally:
+            sent = {id(r) for r in batch}
+            self.sending = [r for r in self.sending if id(r) not in sent]
         self.stats.bytes_up += size
-        self.pending = self.pending[len(batch) :]
         return reply
 
     # ---- the end of a session ---------------------------------------------------------------
@@ -410,6 +477,9 @@ class PullLoop(CoordinatorSession):
     async def leave(self, graceful: bool, timeout: float) -> None:
         """End a session: report what is done and give back the rest, so the coordinator
         reissues it now, within `timeout`; or (not `graceful`) just vanish."""
+        self.leaving = True
+        if self.asking is not None:
+            await self._settle_ask(graceful, timeout)
         if self.computing:  # cancelled mid-tile: given back with the queue
             self.queue.appendleft(Job({"result_id": self.computing}, 0.0, _done()))
             self.computing = None
@@ -431,9 +501,29 @@ class PullLoop(CoordinatorSession):
         self.pending.clear()
 
     def cancel(self) -> None:
-        """Stop the downloads of queued work (a loop dropped without leaving)."""
+        """Stop the downloads of queued work and the work request in flight (a loop
+        dropped without leaving)."""
         for job in self.queue:
             job.operands.cancel()
+        if self.asking is not None:
+            self.asking.cancel()
+
+    async def _settle_ask(self, graceful: bool, timeout: float) -> None:
+        """The work request in flight at the end of a session: leaving gracefully, its
+        answer is awaited, so what it assigns is given back with the rest of the queue;
+        otherwise it is dropped (the coordinator reissues what it assigned at its
+        deadline, as for a host that vanished)."""
+        asking, self.asking = self.asking, None
+        if not graceful:
+            asking.cancel()
+        try:
+            async with asyncio.timeout(max(1.0, timeout) if graceful else None):
+                await asking
+        except (asyncio.CancelledError, ProjectFinished):
+            pass  # nothing more was assigned
+        except Exception as exc:  # failed on the way: nothing to give back
+            if graceful:
+                self._failed("work", exc)
 
 
 def _done() -> asyncio.Future:

@@ -37,6 +37,15 @@ def capacity(queued: int, gflops: float, tile_flops: float, most: int = MAX_CAPA
     return max(0, min(most, wanted) - queued)
 
 
+def ask_ahead(compute_seconds: float, round_trip: float | None) -> bool:
+    """Ask for the next work while this tile computes (the answer then waits in the queue
+    when the tile is done) when the tile takes longer than two round trips: one to ask,
+    one for the coordinator to apply the report riding on the ask. With shorter tiles the
+    ask would still be out when the tile is done, and its report would need a call of its
+    own: twice the calls for the same work. No round trip measured yet: not yet."""
+    return round_trip is not None and compute_seconds > 2 * round_trip
+
+
 def report_batch(pending: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """The reports to send next: the oldest, up to REPORT_BATCH of them and REPORT_BYTES of
     tiles (at least one). One report per product share rather than per few tiles: each

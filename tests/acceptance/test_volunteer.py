@@ -293,6 +293,15 @@ def test_a_volunteer_asks_for_work_when_its_queue_is_down_to_half():
     assert time_to_ask(queued=0, capacity=4, short=True)
 
 
+def test_a_volunteer_asks_ahead_only_for_tiles_that_outlast_two_round_trips():
+    from volunteer.policy import ask_ahead
+
+    assert ask_ahead(compute_seconds=0.050, round_trip=0.010)  # the answer comes in time
+    assert not ask_ahead(compute_seconds=0.001, round_trip=0.004)  # it would still be out
+    assert not ask_ahead(compute_seconds=0.015, round_trip=0.010)  # and the report's too
+    assert not ask_ahead(compute_seconds=10.0, round_trip=None)  # no call measured yet
+
+
 def test_reports_go_out_in_batches_bounded_in_results_and_bytes():
     from volunteer.policy import REPORT_BATCH, REPORT_BYTES, report_batch, report_due
 

@@ -283,3 +283,68 @@ async def test_a_finished_product_is_committed_within_the_commit_window_with_no_
         while [e.state for e in await co.store.events(kind="gemm")] != ["created", "done"]:
             assert loop.time() < deadline, "the finished product was never committed"
             await asyncio.sleep(COMMIT_WINDOW / 10)
+
+
+class Watched(ScriptedVolunteer):
+    """Notes, as each tile's kernel ends, whether the next work was already there."""
+
+    def __init__(self, url: str, name: str, behaviour: Behaviour) -> None:
+        super().__init__(url, name, behaviour)
+        self.queued_after: list[int] = []  # tiles queued as each tile finished
+        self.asked_ahead: list[bool] = []  # a work request was in flight as it finished
+
+    async def _kernel(self, assignment, a, b):
+        done = await super()._kernel(assignment, a, b)
+        if self.asking is not None:
+            await asyncio.wait_for(asyncio.shield(self.asking), TIMEOUT)
+        self.asked_ahead.append(self.asking is not None)
+        self.queued_after.append(len(self.queue))
+        return done
+
+
+async def test_a_slow_tile_has_the_next_work_asked_for_while_it_computes(tmp_path, rng):
+    """A tile that takes longer than a round trip: the volunteer asks for its next work
+    while it computes, so that work is in its queue when the tile is done (it never waits
+    for the network between tiles); every tile reported once, the products exact."""
+    slow = Behaviour(capacity=1, seconds_per_tile=0.3)
+    async with running(tmp_path, policy=Policy.FREIVALDS, tile=16) as (_co, queue, url):
+        volunteer = Watched(url, "slow", slow)
+        stop = asyncio.Event()
+        task = asyncio.create_task(volunteer.run(stop))
+        pairs = [operands(rng, 16, 16, 8, False, False) for _ in range(3)]
+        products = asyncio.gather(
+            *(queue.matmul(a, b, label=f"p{i}") for i, (a, b) in enumerate(pairs))
+        )
+        results = await asyncio.wait_for(products, TIMEOUT)
+        stop.set()
+        await task
+    for (a, b), got in zip(pairs, results, strict=True):
+        assert np.array_equal(bits(got), bits(kernels.gemm(a, b)))
+    # The first tile's speed is not yet known: the next is asked for after it. Then the
+    # volunteer knows its tiles outlast its round trips and asks during each (during the
+    # last for nothing), and the third tile was queued while the second computed.
+    assert volunteer.asked_ahead == [False, True, True]
+    assert volunteer.queued_after == [0, 1, 0]
+    assert volunteer.stats.duplicate == 0 and volunteer.stats.reported == 3
+
+
+async def test_a_quick_tile_does_not_ask_ahead(tmp_path, rng):
+    """Tiles shorter than a round trip: asking during one would still be out when it is
+    done, and its report would need a call of its own; the volunteer asks after each."""
+    async with (
+        running(tmp_path, policy=Policy.FREIVALDS, tile=16) as (_co, queue, url),
+    ):
+        volunteer = Watched(url, "quick", Behaviour(capacity=1))
+        stop = asyncio.Event()
+        task = asyncio.create_task(volunteer.run(stop))
+        pairs = [operands(rng, 16, 16, 8, False, False) for _ in range(3)]
+        results = await asyncio.wait_for(
+            asyncio.gather(*(queue.matmul(a, b, label=f"q{i}") for i, (a, b) in enumerate(pairs))),
+            TIMEOUT,
+        )
+        stop.set()
+        await task
+    for (a, b), got in zip(pairs, results, strict=True):
+        assert np.array_equal(bits(got), bits(kernels.gemm(a, b)))
+    assert volunteer.asked_ahead == [False, False, False]
+    assert volunteer.stats.reported == 3
