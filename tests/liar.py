@@ -157,17 +157,29 @@ class Liar:
                     with contextlib.suppress(TimeoutError):
                         await asyncio.wait_for(stop.wait(), timeout=max(reply["delay"], 0.02))
                     continue
-                computed = [await self._compute(client, a) for a in assignments]
-                for assignment, honest in zip(assignments, computed, strict=True):
+                for blob_id, data in (reply.get("blobs") or {}).items():
+                    kernels.verify_blob(data, blob_id)  # panels inside the answer
+                    self.cache[blob_id] = data
+                done = [(a, await self._compute(client, a)) for a in assignments]
+                # A panel gone (410) belonged to a product done meanwhile: work dropped.
+                done = [(a, honest) for a, honest in done if honest is not None]
+                computed = [honest for _, honest in done]
+                for assignment, honest in done:
                     if not await self._report(client, assignment, honest, computed):
                         in_progress.append(assignment["result_id"])
 
-    async def _compute(self, client: CoordinatorClient, assignment: dict) -> Computed:
+    async def _compute(self, client: CoordinatorClient, assignment: dict) -> Computed | None:
         blobs = []
         for key in ("a", "b"):
             blob_id = assignment[key]
             if blob_id not in self.cache:
-                self.cache[blob_id] = await client.fetch_blob(blob_id, max_bytes=MAX_BLOB)
+                try:
+                    data = await client.fetch_blob(blob_id, max_bytes=MAX_BLOB)
+                except ServerRefused as exc:
+                    if exc.status == 410:
+                        return None
+                    raise
+                self.cache[blob_id] = data
             blobs.append(self.cache[blob_id])
         _, tile = compute_tile(assignment, *blobs)
         return Computed(self.registry.epoch, assignment["wu_id"], tile)

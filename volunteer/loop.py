@@ -373,6 +373,11 @@ class PullLoop(CoordinatorSession):
             self.pending.append({"result_id": result_id, "error": f"corrupt blob: {exc}"})
             return
         except ServerRefused as exc:
+            if exc.status == 410:
+                # Its product is done: the coordinator needs no report of it.
+                self.stats.aborted += 1
+                self.log.info("dropped %s: %s", result_id, exc.message)
+                return
             if not (exc.retriable or exc.status == 401):
                 self._failed("blob", exc)
                 self.log.error("cannot fetch operands of %s: %s", result_id, exc)

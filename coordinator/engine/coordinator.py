@@ -84,6 +84,7 @@ class Coordinator:
             arrived=self.passes.arrived,
             wake=self.passes.wake,
             crowd=self.crowd,
+            hold=self.products.hold,
         )
         self.operator = Operator(self.ledger, self.requests, self.passes, self.products)
         self.products.judge_late = self.passes.judge_late

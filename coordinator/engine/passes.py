@@ -177,11 +177,13 @@ class Passes:
                 trans_a=wu.trans_a,
                 trans_b=wu.trans_b,
             )
-            self.products.tiles[blob := self.blobs.put(kernels.encode_array(tile))] = tile
+            blob = self.blobs.put(kernels.encode_array(tile), hold=True)
+            self.products.tiles[blob] = tile
             return blob
 
         # The kernel's bits, which every honest host returns: the coordinator's own result.
         blob = await asyncio.to_thread(compute)
+        self.products.hold(wu.gemm_id, [blob])
         mine = Result(
             id=new_result_id(),
             wu_id=wu.id,

@@ -11,6 +11,7 @@ import functools
 import logging
 import secrets
 import time
+from collections import defaultdict
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
@@ -91,6 +92,9 @@ class Products:
         self.outputs: dict[str, GemmOutput] = {}
         self.failed_here: set[str] = set()  # GEMMs that failed in this run: not retried
         self.tiles: dict[str, np.ndarray] = {}  # tiles just checked, by hash: no second read
+        # The blobs each product in memory holds in the blob store (its panels, the tiles
+        # reported for it): let go when it is done, so they leave memory with it.
+        self.held: dict[str, list[str]] = defaultdict(list)
         # Set by the Coordinator: judge a GEMM's late replicas before it leaves memory, and
         # tell the passes that new work is out.
         self.judge_late: Callable[[str, float], Awaitable[None]] | None = None
@@ -195,6 +199,8 @@ class Products:
             output.remaining = {wu.id for wu in self.ledger.workunits_for(gid)} - copied
         except BaseException as exc:
             self.outputs.pop(gid, None)
+            if gid not in self.ledger.gemms:
+                self._let_go(gid)  # its panels were stored, its work never published
             if not output.done.done():
                 output.done.set_exception(exc)
                 output.done.exception()  # retrieved: the caller gets it raised below
@@ -259,7 +265,11 @@ class Products:
             named += [gemm.b_id if len(cols) == 1 else None] * len(cols)
             encoded = [kernels.encode_array(p) for p in (*rows, *cols)]
             ids = self.blobs.put_many(
-                list(zip(encoded, named, strict=True)), keep=True, verified=True, behind=True
+                list(zip(encoded, named, strict=True)),
+                keep=True,
+                verified=True,
+                behind=True,
+                hold=True,
             )
             for panel_id, data in zip(ids, encoded, strict=True):
                 self.ledger.panel_bytes[panel_id] = len(data)
@@ -282,6 +292,7 @@ class Products:
                 )
                 await asyncio.sleep(delay)
                 delay = min(2 * delay, STORAGE_RETRY_MAX)
+        self.held[gemm.id] += [*row_ids, *col_ids]
         red = self.config.redundancy.for_policy(self.config.policy)
         self.ledger.put_gemm(gemm)
         for bounds in tile_bounds(gemm.m, gemm.n, gemm.tile):
@@ -310,6 +321,18 @@ class Products:
         # assigns one of these work units commits them with it, in the same transaction.
 
     # ---- tiles in, products out ----------------------------------------------------------
+
+    def hold(self, gemm_id: str, blobs: list[str]) -> None:
+        """Blobs put with `hold` for this product (tiles reported for it): let go with it,
+        or now if it is done already."""
+        gemm = self.ledger.gemms.get(gemm_id)
+        if gemm is not None and gemm.state is GemmState.ACTIVE:
+            self.held[gemm_id] += blobs
+        else:
+            self.blobs.release(blobs)
+
+    def _let_go(self, gemm_id: str) -> None:
+        self.blobs.release(self.held.pop(gemm_id, ()))
 
     async def assimilate(self, wu: WorkUnit, now: float) -> None:
         """Copy a validated tile into its product's output; finish the product at the last."""
@@ -351,6 +374,11 @@ class Products:
         # "late", rather than applied to records that are about to leave memory unjudged.
         self.outputs.pop(gemm.id, None)
         self.ledger.forget_gemm(gemm.id)
+        # Its tiles are in its output: they and the panels no other product holds leave
+        # memory now, unwritten, rather than fill it until the next checkpoint and spill to
+        # disk (a later product with the same panel stores it again; a restart makes them
+        # again: engine/recovery.py).
+        self._let_go(gemm.id)
         # The training loop goes on at once; the commit follows with the next reply's, or
         # the passes' (COMMIT_WINDOW). A crash in between loses nothing committed: the step
         # is recomputed from the last checkpoint.
@@ -387,6 +415,7 @@ class Products:
             self.ledger.log([Event.about(wu, now, "cancelled", message)])
         self.ledger.log([Event(now, "gemm", "cancelled", message, gemm.step, gemm.id)])
         self.ledger.put_gemm(gemm.evolve(state=GemmState.FAILED, error=message))
+        self._let_go(gemm.id)
         output = self.outputs.pop(gemm.id, None)
         if output is not None and not output.done.done():
             output.done.set_exception(GemmFailed(message))

@@ -47,6 +47,7 @@ class Reports:
         arrived: Callable[[str], None],
         wake: Callable[[], None],
         crowd: CrowdWatch,
+        hold: Callable[[str, list[str]], None],
     ) -> None:
         self.config = config
         self.ledger = ledger
@@ -57,6 +58,7 @@ class Reports:
         self.arrived = arrived  # a work unit has a new success to validate
         self.wake = wake  # the passes: something changed
         self.crowd = crowd  # learns what a tile costs beyond its arithmetic
+        self.hold = hold  # a stored tile is held until its product is done (Products.hold)
 
     async def report(self, host: Host, request: ReportRequest, now: float) -> dict:
         """Accept a batch of results: all entries are checked before any is applied.
@@ -127,8 +129,8 @@ class Reports:
         # Every tile is checked, then stored, before any report is applied: when the blob
         # store fails, the whole report is refused and none of it is half-done.
         fresh = [
-            (entry.output_hash, tile)
-            for entry, result, _, tile in checked
+            (entry.output_hash, tile, wu.gemm_id)
+            for entry, result, wu, tile in checked
             if tile is not None and not self._reported(result)  # a replay stores nothing
         ]
 
@@ -140,6 +142,8 @@ class Reports:
 
         size = sum(len(tile) for _, _, _, tile in checked if tile is not None)
         await offload(check_and_store, size)
+        for output_hash, _, gemm_id in fresh:
+            self.hold(gemm_id, [output_hash])
         summary: dict[str, list[str]] = {"accepted": [], "late": finished, "duplicate": []}
         for entry, result, wu, tile in checked:
             verdict = self._apply(host, entry, result, wu, tile is not None, now)
@@ -156,12 +160,13 @@ class Reports:
         current = self.ledger.results.get(result.id, result)
         return current.outcome in (Outcome.SUCCESS, Outcome.CLIENT_ERROR)
 
-    def _store_tiles(self, tiles: list[tuple[str, bytes]]) -> None:
+    def _store_tiles(self, tiles: list[tuple[str, bytes, str]]) -> None:
         # Checked against their hashes at the edge (_check_tile): each is hashed once. Kept
-        # in memory for the validator, which reads them next.
+        # in memory for the validator, which reads them next, and held until the product
+        # is done.
         try:
-            pairs = [(tile, h) for h, tile in tiles]
-            self.blobs.put_many(pairs, keep=True, verified=True, behind=True)
+            pairs = [(tile, h) for h, tile, _ in tiles]
+            self.blobs.put_many(pairs, keep=True, verified=True, behind=True, hold=True)
         except OSError as exc:  # the blob writer has logged it, once
             raise StorageUnavailable(
                 f"the coordinator cannot store tiles just now (blob store: {exc.strerror}); "

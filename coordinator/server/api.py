@@ -229,6 +229,10 @@ async def blob(request: web.Request) -> web.StreamResponse:
         return web.Response(body=data, headers={"Content-Type": "application/octet-stream"})
     path = co.blobs.path(blob_id)
     if not path.is_file():
+        if co.blobs.released(blob_id):
+            raise protocol.Gone(
+                f"blob {blob_id} belonged to a product that is done: drop the work that reads it"
+            )
         raise NotFound(f"no blob {blob_id}")
     response = web.FileResponse(path, headers={"Content-Type": "application/octet-stream"})
     response._blob_size = path.stat().st_size  # FileResponse sets its length only when sent

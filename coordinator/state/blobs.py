@@ -9,7 +9,8 @@ import mmap
 import os
 import tempfile
 import threading
-from collections import OrderedDict
+from collections import Counter, OrderedDict
+from collections.abc import Iterable
 from pathlib import Path
 
 import numpy as np
@@ -29,6 +30,7 @@ WRITE_BACKLOG = 256 << 20
 DIRECT_BYTES = 1 << 20
 DIRECT_CHUNK = 8 << 20
 DIRECT_ALIGN = 4096  # O_DIRECT's alignment of memory, offsets and lengths
+RELEASED_KEPT = 1 << 16  # ids of blobs let go of, remembered to answer fetches of them
 _direct_buffers = threading.local()
 
 
@@ -152,6 +154,10 @@ class BlobStore:
         self._writing: str | None = None
         self._deleted: set[str] = set()  # deleted while the writer was writing them
         self._cond = threading.Condition()
+        # Holders of each blob (put with `hold`): it leaves memory when the last lets go.
+        self._holds: Counter[str] = Counter()
+        # Blobs let go of lately: a host fetching one holds work nobody needs any more.
+        self._released: OrderedDict[str, None] = OrderedDict()
         self._writer: threading.Thread | None = None
         self._closed = False
         # The writer's last error, until a write succeeds again: new blobs are refused
@@ -201,11 +207,13 @@ class BlobStore:
         data = self.recent.get(blob)
         return data if data is not None else self._unwritten.get(blob)
 
-    def put(self, data: bytes, expected: str | None = None, *, keep: bool = False) -> str:
+    def put(
+        self, data: bytes, expected: str | None = None, *, keep: bool = False, hold: bool = False
+    ) -> str:
         """Store bytes (checked against `expected` when given) and return their id; `keep`
         holds them in memory too, for blobs about to be read (panels volunteers fetch,
         tiles the validator checks)."""
-        return self.put_many([(data, expected)], keep=keep)[0]
+        return self.put_many([(data, expected)], keep=keep, hold=hold)[0]
 
     def put_many(
         self,
@@ -214,11 +222,13 @@ class BlobStore:
         keep: bool = False,
         verified: bool = False,
         behind: bool = False,
+        hold: bool = False,
     ) -> list[str]:
         """Store several blobs, each whole or absent: written to a temporary file and renamed
         into place. `verified`: the caller has checked each blob against its `expected` id
         already (a blob is hashed once). `behind`: return at once and let the writer thread
-        write them when they must (OSError if it is failing). Never synced: blobs are a
+        write them when they must (OSError if it is failing). `hold`: each is held once
+        more, until `release` (the product it belongs to is done). Never synced: blobs are a
         step's intermediate products, which the step recomputes bit for bit from its inputs
         after a kill (that loses the blobs not yet written) or a power cut; see "Durability"
         in docs/architecture.md for what is synced and when."""
@@ -233,12 +243,27 @@ class BlobStore:
             elif not verified:
                 verify_blob(data, expected)
             ids.append(expected)
-        if behind:
-            self._behind(list(zip(ids, (data for data, _ in blobs), strict=True)))
-        else:
-            for blob, (data, _) in zip(ids, blobs, strict=True):
-                if not self.has(blob):
-                    self._write(blob, data)
+        if hold:
+            # Before they are stored: a release by another holder meanwhile cannot take them.
+            with self._cond:
+                self._holds.update(ids)
+                for blob in ids:
+                    self._released.pop(blob, None)
+        try:
+            if behind:
+                self._behind(list(zip(ids, (data for data, _ in blobs), strict=True)))
+            else:
+                for blob, (data, _) in zip(ids, blobs, strict=True):
+                    if not self.has(blob):
+                        self._write(blob, data)
+        except BaseException:
+            if hold:
+                with self._cond:
+                    self._holds.subtract(ids)
+                    for blob in ids:
+                        if self._holds[blob] <= 0:
+                            del self._holds[blob]
+            raise
         if keep:
             for blob, (data, _) in zip(ids, blobs, strict=True):
                 self.recent.add(blob, data)
@@ -396,7 +421,31 @@ class BlobStore:
                 os.unlink(tmp)
             raise
 
+    def release(self, blobs: Iterable[str]) -> None:
+        """Let go of blobs put with `hold`, once each: one nobody holds any more is deleted.
+        A finished product's panels and tiles leave memory this way, unwritten, rather
+        than fill it until the next checkpoint and spill to disk."""
+        with self._cond:
+            free = []
+            for blob in blobs:
+                self._holds[blob] -= 1
+                if self._holds[blob] <= 0:
+                    del self._holds[blob]
+                    free.append(blob)
+            for blob in free:
+                self.delete(blob)
+                self._released[blob] = None
+            while len(self._released) > RELEASED_KEPT:
+                self._released.popitem(last=False)
+
+    def released(self, blob: str) -> bool:
+        """True for a blob let go of lately (its product is done) and not stored since."""
+        return blob in self._released
+
     def delete(self, blob: str) -> None:
+        """Forget a blob, in memory and on disk. One held unwritten costs no system call
+        (a file written before and stored again since is unlinked by a later delete: the
+        checkpoint's, which deletes every blob of the products before it)."""
         self.recent.discard(blob)
         with self._cond:
             data = self._unwritten.pop(blob, None)
@@ -410,7 +459,8 @@ class BlobStore:
                 self.failure = None
                 log.info("blob store %s: nothing waits to be written any more", self.root)
             self._cond.notify_all()
-        self.path(blob).unlink(missing_ok=True)
+        if data is None:
+            self.path(blob).unlink(missing_ok=True)
 
     def put_array(self, array: np.ndarray, *, keep: bool = False) -> str:
         return self.put(encode_array(array), keep=keep)

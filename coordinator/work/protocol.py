@@ -63,6 +63,13 @@ class NotFound(ProtocolError):
     code = "not_found"
 
 
+class Gone(ProtocolError):
+    """A blob of a product that is done: nobody needs the work that reads it any more."""
+
+    status = 410
+    code = "gone"
+
+
 class RequestTimeout(ProtocolError):
     """The body did not arrive in time (a stalled or deliberately slow client)."""
 

@@ -219,3 +219,36 @@ async def test_a_coordinator_starting_sweeps_what_a_kill_left_in_its_blob_store(
     async with running(tmp_path) as (co, _queue, _url):
         assert not leftover.exists()
         assert co.blobs.root == leftover.parent.parent
+
+
+def test_a_held_blob_leaves_memory_when_its_last_holder_lets_go(tmp_path):
+    store = BlobStore(tmp_path, max_blob_bytes=1 << 20)
+    shared, own = tiles(2, seed=3)
+    ids = store.put_many([(shared, None), (own, None)], keep=True, behind=True, hold=True)
+    store.put_many([(shared, None)], keep=True, behind=True, hold=True)  # a second product
+    store.release(ids)  # the first product is done
+    assert store.in_memory(ids[0]) == shared  # the second still reads it
+    assert store.in_memory(ids[1]) is None and not store.has(ids[1])
+    assert store.released(ids[1]) and not store.released(ids[0])
+    store.release(ids[:1])
+    assert store.in_memory(ids[0]) is None and store.released(ids[0])
+    # Stored again (a later product with the same panel): served, no longer "released".
+    store.put_many([(shared, None)], keep=True, behind=True, hold=True)
+    assert store.get(ids[0]) == shared and not store.released(ids[0])
+    assert not list(tmp_path.rglob("*/*"))  # none of them was ever written
+
+
+def test_a_hold_on_a_blob_the_disk_refused_is_not_kept(tmp_path, monkeypatch):
+    store = BlobStore(tmp_path, max_blob_bytes=1 << 20)
+    (data,) = tiles(1, seed=4)
+
+    def refuse(_blob, _data):
+        raise OSError(errno.EROFS, "Read-only file system")
+
+    monkeypatch.setattr(store, "_write", refuse)
+    with pytest.raises(OSError):
+        store.put_many([(data, None)], hold=True)
+    monkeypatch.undo()
+    blob = store.put(data, hold=True)
+    store.release([blob])  # one hold, one release: gone
+    assert not store.has(blob) and store.in_memory(blob) is None

@@ -13,7 +13,7 @@ from coordinator.engine.passes import COMMIT_WINDOW
 from coordinator.work.records import Outcome, Policy, Redundancy
 from tests.factories import TIMEOUT, bits, operands, running, volunteers
 from tests.volunteers import Behaviour, ScriptedVolunteer, wait_until
-from volunteer.client import CoordinatorClient, compute_tile
+from volunteer.client import CoordinatorClient, ServerRefused, compute_tile
 
 
 @pytest.mark.parametrize("policy", list(Policy))
@@ -348,3 +348,45 @@ async def test_a_quick_tile_does_not_ask_ahead(tmp_path, rng):
         assert np.array_equal(bits(got), bits(kernels.gemm(a, b)))
     assert volunteer.asked_ahead == [False, False, False]
     assert volunteer.stats.reported == 3
+
+
+async def test_a_done_products_blobs_leave_memory_but_a_panel_another_reads_stays(tmp_path, rng):
+    """A finished product's tiles and panels are let go at once (nothing fills memory until
+    the next checkpoint); a panel another product in flight reads is kept, and a host that
+    asks for a let-go panel hears that its work is not needed (410), not "not found"."""
+    async with running(tmp_path, policy=Policy.FREIVALDS, tile=16) as (co, queue, url):
+        (a1, b), (a2, _) = (
+            operands(rng, 16, 16, 8, False, False),
+            operands(rng, 16, 16, 8, False, False),
+        )
+        first = asyncio.ensure_future(queue.matmul(a1, b, label="first"))
+        second = asyncio.ensure_future(queue.matmul(a2, b, label="second"))
+        await wait_until(lambda: len(co.ledger.unsent) == 2)
+        async with CoordinatorClient(url) as client:
+            await client.register("h")
+            reply = await client.request_work("w1", capacity=2)
+            jobs = {job["a"]: job for job in reply["assignments"]}
+            job1, job2 = jobs[kernels.array_id(a1)], jobs[kernels.array_id(a2)]
+
+            async def report(job):
+                output_hash, tile = compute_tile(
+                    job, reply["blobs"][job["a"]], reply["blobs"][job["b"]]
+                )
+                await client.report(
+                    [{"result_id": job["result_id"], "hash": output_hash, "tile": tile}]
+                )
+                return output_hash
+
+            tile1 = await report(job1)
+            assert np.array_equal(
+                bits(await asyncio.wait_for(first, TIMEOUT)), bits(kernels.gemm(a1, b))
+            )
+            assert co.blobs.in_memory(job1["a"]) is None and co.blobs.in_memory(tile1) is None
+            assert co.blobs.in_memory(job2["b"]) is not None  # the second product reads b
+            with pytest.raises(ServerRefused) as gone:
+                await client.fetch_blob(job1["a"], max_bytes=1 << 20)
+            assert (gone.value.status, gone.value.code) == (410, "gone")
+            assert await client.fetch_blob(job2["b"], max_bytes=1 << 20)
+            await report(job2)
+            await asyncio.wait_for(second, TIMEOUT)
+            assert co.blobs.in_memory(job2["b"]) is None and co.blobs.in_memory(job2["a"]) is None
