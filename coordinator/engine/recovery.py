@@ -1,8 +1,9 @@
-"""After a kill or a power cut: blobs are held in memory until written, never synced, and
-a finished product's leave memory with it (docs/architecture.md, "Durability"), so a
-restarted coordinator may find a product's panels or tiles gone. Each is made again from what is synced: tiles with the kernel (the same
-bits), panels from the operands, and an unfinished product whose blobs are gone is dropped
-so that the training loop runs it again."""
+"""After a kill or a power cut: blobs are held in memory until written, never synced, and a
+finished product's leave memory with it (docs/architecture.md, "Durability"), so a
+restarted coordinator may find a product's panels or tiles gone. Each is made again from
+what is synced: tiles with the kernel (the same bits), panels from the operands, and an
+unfinished product whose blobs are gone is dropped so that the training loop runs it
+again."""
 
 from __future__ import annotations
 
