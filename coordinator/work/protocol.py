@@ -8,6 +8,7 @@ docs/protocol.md describes every endpoint, field and error.
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import dataclass
 from typing import Any
 
@@ -186,14 +187,23 @@ def _number(message: dict, key: str, low: float, high: float, default: Any = ...
     return value
 
 
-def _ids(message: dict, key: str, limit: int, check: Any) -> tuple[str, ...]:
+_HEX = re.compile(r"[0-9a-f]*")
+
+
+def _ids(message: dict, key: str, limit: int, check: Any, length: int) -> tuple[str, ...]:
     values = _get(message, key, list, [])
     if len(values) > limit:
         raise BadRequest(f"field {key!r} lists {len(values)} entries, at most {limit} allowed")
-    for value in values:
-        if not check(value):
-            raise BadRequest(f"field {key!r} holds a malformed id: {value!r:.80}")
-    return tuple(values)
+    # All at once: a volunteer lists up to thousands of cached panels in every request,
+    # and checking them one by one was a tenth of a coordinator's work per tiny-gpt step.
+    if not values or (
+        set(map(type, values)) == {str}
+        and set(map(len, values)) == {length}
+        and _HEX.fullmatch("".join(values))
+    ):
+        return tuple(values)
+    bad = next(value for value in values if not check(value))
+    raise BadRequest(f"field {key!r} holds a malformed id: {bad!r:.80}")
 
 
 def is_result_id(value: object) -> bool:
@@ -245,8 +255,8 @@ def parse_work_request(message: dict[str, Any]) -> WorkRequest:
     return WorkRequest(
         request_id=request_id,
         capacity=capacity,
-        cached=_ids(message, "cached", MAX_CACHED, is_blob_id),
-        in_progress=_ids(message, "in_progress", MAX_IN_PROGRESS, is_result_id),
+        cached=_ids(message, "cached", MAX_CACHED, is_blob_id, 64),
+        in_progress=_ids(message, "in_progress", MAX_IN_PROGRESS, is_result_id, 32),
         gflops=None if gflops is None else float(gflops),
         wait=_get(message, "wait", bool, True),
     )
