@@ -182,7 +182,7 @@ class Liar:
                 self.cache[blob_id] = data
             blobs.append(self.cache[blob_id])
         _, tile = compute_tile(assignment, *blobs)
-        return Computed(self.registry.epoch, assignment["wu_id"], tile)
+        return Computed(self.registry.epoch, assignment["wu_id"], bytes(tile))
 
     async def _report(
         self,

@@ -215,8 +215,9 @@ async def read_into(stream: aiohttp.StreamReader, size: int) -> bytearray:
 
 def compute_tile(
     assignment: dict[str, Any], a_blob: bytes, b_blob: bytes, *, threads: int = 1
-) -> tuple[str, bytes]:
-    """The output tile of an assignment as (hash, blob), from verified operand blobs."""
+) -> tuple[str, memoryview]:
+    """The output tile of an assignment as (hash, blob), from verified operand blobs; the
+    kernel writes the tile into its blob."""
     a = kernels.decode_array(a_blob)
     b = kernels.decode_array(b_blob)
     m, n, k = assignment["m"], assignment["n"], assignment["k"]
@@ -228,12 +229,13 @@ def compute_tile(
             f"operands {a.dtype}{a.shape}, {b.dtype}{b.shape} do not fit the assignment "
             f"(expected float32 {expect_a} and {expect_b})"
         )
-    c = kernels.gemm(
+    blob, c = kernels.blob_array((m, n), np.float32)
+    kernels.gemm(
         np.ascontiguousarray(a),
         np.ascontiguousarray(b),
         trans_a=trans_a,
         trans_b=trans_b,
+        out=c,
         threads=threads,
     )
-    blob = kernels.encode_array(c)
     return kernels.blob_id(blob), blob

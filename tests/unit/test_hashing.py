@@ -11,6 +11,7 @@ from kernels import (
     BlobDecodeError,
     BlobMismatchError,
     array_id,
+    blob_array,
     blob_id,
     decode_array,
     encode_array,
@@ -107,3 +108,15 @@ def test_unsupported_arrays_are_refused_clearly():
 @pytest.mark.parametrize("value", ["", "ab", "G" * 64, "A" * 64, 7, None, "0" * 65])
 def test_is_blob_id_rejects_anything_but_64_lowercase_hex_digits(value):
     assert not is_blob_id(value)
+
+
+@pytest.mark.parametrize("shape", [(3, 5), (0, 4), (7,), (2, 3, 4)])
+def test_an_array_written_into_its_blob_is_the_blob_of_that_array(shape):
+    rng = np.random.default_rng(0)
+    values = rng.standard_normal(shape).astype(np.float32)
+    blob, array = blob_array(shape, np.float32)
+    array[...] = values  # as the kernel writes its output (out=)
+    assert bytes(blob) == encode_array(values)
+    assert np.array_equal(decode_array(blob), values)
+    with pytest.raises(ValueError):
+        blob_array((2, 2), np.complex64)
