@@ -10,9 +10,11 @@ import msgpack
 import numpy as np
 
 import kernels
+from kernels import frames
 from volunteer.address import not_tilehive
 
 CONTENT_TYPE = "application/msgpack"
+ACCEPT = f"{frames.CONTENT_TYPE}, {CONTENT_TYPE}"  # framed answers preferred
 # Bodies this large move in pieces: sent a piece at a time, read into one buffer as they
 # arrive. A whole write has its unsent rest copied into fresh memory, a read's chunks are
 # joined again: on loopback both cost 3x the time (benchmarks/transfer.py).
@@ -53,6 +55,9 @@ class CoordinatorClient:
         self._session = session
         self._own_session = session is None
         self._timeout = aiohttp.ClientTimeout(total=timeout)
+        # The coordinator answered in frames (kernels/frames.py): it reads them too, and
+        # reports go framed, their tiles uncopied. Until then, plain msgpack.
+        self.frames = False
 
     async def __aenter__(self) -> CoordinatorClient:
         return self
@@ -72,25 +77,40 @@ class CoordinatorClient:
             self._session = None
 
     def _headers(self) -> dict[str, str]:
-        headers = {"Content-Type": CONTENT_TYPE}
+        headers = {"Content-Type": CONTENT_TYPE, "Accept": ACCEPT}
         if self.token:
             headers["Authorization"] = f"Bearer {self.token}"
         return headers
 
     async def _post(self, path: str, message: dict[str, Any]) -> dict[str, Any]:
-        body = msgpack.packb(message, use_bin_type=True)
         headers = self._headers()
-        data: bytes | AsyncIterator[memoryview] = body
-        if len(body) >= PIECE_BYTES:  # a report of tiles
-            data = in_pieces(body)
-            headers["Content-Length"] = str(len(body))
+        if self.frames:
+            parts = frames.pack(message)
+            headers["Content-Type"] = frames.CONTENT_TYPE
+        else:
+            parts = [msgpack.packb(message, use_bin_type=True)]
+        size = sum(memoryview(part).nbytes for part in parts)
+        data: bytes | AsyncIterator[memoryview] = parts[0]
+        if len(parts) > 1 or size >= PIECE_BYTES:  # a report of tiles
+            data = in_pieces(parts)
+            headers["Content-Length"] = str(size)
         async with self.session.post(self.url + path, data=data, headers=headers) as resp:
-            return self._decode(resp, await resp.read(), f"POST {path}")
+            if resp.content_length is not None and resp.content_length >= PIECE_BYTES:
+                payload = await read_into(resp.content, resp.content_length)
+            else:
+                payload = await resp.read()
+            return self._decode(resp, payload, f"POST {path}")
 
-    def _decode(self, resp: aiohttp.ClientResponse, payload: bytes, request: str) -> dict[str, Any]:
+    def _decode(
+        self, resp: aiohttp.ClientResponse, payload: bytes | bytearray, request: str
+    ) -> dict[str, Any]:
         status, retry_after = resp.status, resp.headers.get("Retry-After")
         try:
-            message = msgpack.unpackb(payload, raw=False)
+            if resp.content_type == frames.CONTENT_TYPE:
+                message = frames.unpack(payload)
+                self.frames = True
+            else:
+                message = msgpack.unpackb(payload, raw=False)
         except Exception:
             message = None
         if not isinstance(message, dict):
@@ -188,11 +208,13 @@ class CoordinatorClient:
             return await resp.json()
 
 
-async def in_pieces(body: bytes) -> AsyncIterator[memoryview]:
-    """A request body for aiohttp, PIECE_BYTES at a time (each sent once the last drained)."""
-    view = memoryview(body)
-    for start in range(0, len(view), PIECE_BYTES):
-        yield view[start : start + PIECE_BYTES]
+async def in_pieces(parts: list[bytes | memoryview]) -> AsyncIterator[memoryview]:
+    """A request body of several buffers for aiohttp, PIECE_BYTES at a time (each sent once
+    the last drained)."""
+    for part in parts:
+        view = memoryview(part).cast("B")
+        for start in range(0, len(view), PIECE_BYTES):
+            yield view[start : start + PIECE_BYTES]
 
 
 async def read_into(stream: aiohttp.StreamReader, size: int) -> bytearray:

@@ -250,7 +250,8 @@ class HeldBlobs(BlobCache):
 def _inline_bytes(reply: object) -> int:
     if not isinstance(reply, dict) or not isinstance(reply.get("blobs"), dict):
         return 0
-    return sum(len(data) for data in reply["blobs"].values() if isinstance(data, bytes))
+    blobs = reply["blobs"].values()
+    return sum(len(data) for data in blobs if isinstance(data, bytes | memoryview))
 
 
 class EmulatedHost(PullLoop):

@@ -286,11 +286,13 @@ class PullLoop(CoordinatorSession):
         self.round_trips.append(time.monotonic() - started)
         return reply
 
-    def _keep_inline(self, blobs: dict[str, bytes]) -> None:
+    def _keep_inline(self, blobs: dict[str, bytes | memoryview]) -> None:
         """Operand panels sent inside the answer: checked against their names like any
         download, then cached, so the assignments that use them fetch nothing."""
         for blob_id, data in blobs.items():
-            if not isinstance(data, bytes) or self.cache.get(blob_id, count=False) is not None:
+            if not isinstance(data, bytes | memoryview):
+                continue
+            if self.cache.get(blob_id, count=False) is not None:
                 continue
             try:
                 kernels.verify_blob(data, blob_id)

@@ -10,6 +10,7 @@ import asyncio
 import time
 from collections import OrderedDict
 from collections.abc import Callable
+from dataclasses import dataclass, field
 
 from coordinator.engine.config import CoordinatorConfig
 from coordinator.engine.waiters import Waiters
@@ -25,6 +26,16 @@ PAUSED_DELAY = 5.0  # seconds a host waits before asking a paused project again
 INLINE_BYTES = 4 << 20  # operand panels sent inside one work reply, at most
 FINISHED_DELAY = 60.0  # an older volunteer that does not know `finished` asks seldom
 FINISHED_NOTE = "the project is finished: every training step is done"
+
+
+@dataclass(frozen=True, slots=True)
+class Answer:
+    """The answer to a work request: its msgpack map (`body`, what a retry gets again) and
+    the operand panels riding along on this answer only (`blobs`), which the server puts
+    into the body in the form the host reads (server/api.py)."""
+
+    body: bytes
+    blobs: dict[str, bytes] = field(default_factory=dict)
 
 
 class WorkRequests:
@@ -71,7 +82,7 @@ class WorkRequests:
             if h.last_contact >= since and not h.quarantined and h.id not in self.told
         ]
 
-    async def request_work(self, host: Host, request: WorkRequest, now: float) -> bytes:
+    async def request_work(self, host: Host, request: WorkRequest, now: float) -> Answer:
         """The answer to a work request; a repeated request id gets the same bytes back.
 
         With no work to give, the request waits (long poll) up to `long_poll` seconds for
@@ -87,7 +98,7 @@ class WorkRequests:
             # reply it lost before a restart; every later one is found in memory.
             stored = await self.store.reply(host.id, request.request_id)
         if stored is not None:
-            return stored
+            return Answer(stored)
         if host.quarantined:
             await self.ledger.flush()  # the verdict that quarantined it, if still queued
             raise Forbidden(
@@ -106,7 +117,7 @@ class WorkRequests:
         finally:
             del self._inflight[key]
 
-    async def _answer(self, host: Host, request: WorkRequest, now: float) -> bytes:
+    async def _answer(self, host: Host, request: WorkRequest, now: float) -> Answer:
         # Re-read: the record may have changed while this request awaited the store.
         host = self.ledger.hosts[host.id].evolve(last_contact=now)
         if request.gflops:
@@ -115,14 +126,16 @@ class WorkRequests:
         if self.finished:
             return self._finished(host, request)
         if self.paused:
-            return encode(
-                {
-                    "assignments": [],
-                    "abort": [],
-                    "bytes_saved": 0,
-                    "delay": PAUSED_DELAY,
-                    "note": "the project is paused by its operator",
-                }
+            return Answer(
+                encode(
+                    {
+                        "assignments": [],
+                        "abort": [],
+                        "bytes_saved": 0,
+                        "delay": PAUSED_DELAY,
+                        "note": "the project is paused by its operator",
+                    }
+                )
             )
         # Other hosts waiting for work get their share of a product: one host does not take
         # all of its tiles while the rest idle (sized work cut it for all of them).
@@ -165,10 +178,9 @@ class WorkRequests:
         durable = bool(assignments or plan.abort)
         self._remember(host.id, request.request_id, body, now, durable)
         await self.ledger.flush()
-        inline = self._inline(assignments, set(request.cached))
         # The panels ride along on this answer only; a retry gets the stored answer
         # without them and fetches what it lacks.
-        return encode({**message, "blobs": inline}) if inline else body
+        return Answer(body, self._inline(assignments, set(request.cached)))
 
     def _inline(self, assignments: list[dict], cached: set[str]) -> dict[str, bytes]:
         """Small operand panels the host lacks, sent inside the answer: each fetch saved is a
@@ -187,18 +199,20 @@ class WorkRequests:
                 size += len(data)
         return inline
 
-    def _finished(self, host: Host, request: WorkRequest) -> bytes:
+    def _finished(self, host: Host, request: WorkRequest) -> Answer:
         """The answer once training is done: no work, ever; drop what you hold."""
         self.told.add(host.id)
-        return encode(
-            {
-                "assignments": [],
-                "abort": list(request.in_progress),
-                "bytes_saved": 0,
-                "delay": FINISHED_DELAY,
-                "finished": True,
-                "note": FINISHED_NOTE,
-            }
+        return Answer(
+            encode(
+                {
+                    "assignments": [],
+                    "abort": list(request.in_progress),
+                    "bytes_saved": 0,
+                    "delay": FINISHED_DELAY,
+                    "finished": True,
+                    "note": FINISHED_NOTE,
+                }
+            )
         )
 
     def _assignment(self, wu: WorkUnit, result: Result, now: float) -> dict:

@@ -17,6 +17,7 @@ from aiohttp.http_exceptions import HttpProcessingError
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from coordinator.engine.coordinator import Coordinator
+from coordinator.engine.requests import Answer
 from coordinator.server import dashboard
 from coordinator.work import protocol
 from coordinator.work.protocol import (
@@ -28,7 +29,7 @@ from coordinator.work.protocol import (
     UnsupportedMediaType,
     loggable,
 )
-from kernels import is_blob_id
+from kernels import frames, is_blob_id
 
 log = logging.getLogger(__name__)
 
@@ -105,10 +106,12 @@ async def measured(request: web.Request, handler: Handler) -> web.StreamResponse
 
 
 async def read_body(request: web.Request, limit: int) -> dict:
-    """The request's msgpack map, refusing other media types and bodies over `limit`."""
-    if request.content_type != protocol.CONTENT_TYPE:
+    """The request's msgpack map (plain, or framed: kernels/frames.py), refusing other media
+    types and bodies over `limit`."""
+    if request.content_type not in (protocol.CONTENT_TYPE, frames.CONTENT_TYPE):
         raise UnsupportedMediaType(
-            f"send the body as {protocol.CONTENT_TYPE}, not {request.content_type or 'nothing'}"
+            f"send the body as {protocol.CONTENT_TYPE} or {frames.CONTENT_TYPE}, not "
+            f"{request.content_type or 'nothing'}"
         )
     if request.content_length is not None and request.content_length > limit:
         raise TooLarge(f"body of {request.content_length} bytes exceeds the limit of {limit}")
@@ -134,6 +137,8 @@ async def read_body(request: web.Request, limit: int) -> dict:
     except (ConnectionError, aiohttp.ClientPayloadError, aiohttp.http.HttpProcessingError) as exc:
         # The client hung up or broke the framing mid-body: one log line, nothing applied.
         raise protocol.BadRequest(f"the body was cut off: {type(exc).__name__}") from exc
+    if request.content_type == frames.CONTENT_TYPE:
+        return protocol.decode_frame(body, limit)
     return protocol.decode(body, limit)
 
 
@@ -155,16 +160,44 @@ async def read_into(stream: aiohttp.StreamReader, size: int) -> bytearray:
     return body
 
 
-async def send_in_pieces(request: web.Request, data: bytes) -> web.StreamResponse:
-    """A large body written PIECE_BYTES at a time, each piece once the last has drained."""
-    response = web.StreamResponse(headers={"Content-Type": "application/octet-stream"})
-    response.content_length = len(data)
+async def send_in_pieces(
+    request: web.Request, parts: Sequence[bytes | memoryview], content_type: str
+) -> web.StreamResponse:
+    """A body of several buffers (uncopied) written PIECE_BYTES at a time, each piece once
+    the last has drained."""
+    response = web.StreamResponse(headers={"Content-Type": content_type})
+    response.content_length = sum(memoryview(part).nbytes for part in parts)
     await response.prepare(request)
-    view = memoryview(data)
-    for start in range(0, len(view), PIECE_BYTES):
-        await response.write(view[start : start + PIECE_BYTES])
+    for part in parts:
+        view = memoryview(part).cast("B")
+        for start in range(0, len(view), PIECE_BYTES):
+            await response.write(view[start : start + PIECE_BYTES])
     await response.write_eof()
     return response
+
+
+def wants_frames(request: web.Request) -> bool:
+    """The client reads framed bodies (it says so in Accept): operand panels then ride
+    behind the answer uncopied, and its reports may come framed too."""
+    return frames.CONTENT_TYPE in request.headers.get("Accept", "")
+
+
+async def answer_response(
+    request: web.Request, answer: Answer, summary: dict | None = None
+) -> web.StreamResponse:
+    """The answer to a work request (alone, or as `work` in a report's `summary`), with the
+    panels riding along in the form the client reads."""
+    fields = {"blobs": answer.blobs} if answer.blobs else {}
+    trailer = frames.Trailer() if wants_frames(request) else None
+    body = frames.extend_map(answer.body, fields, trailer)
+    if summary is not None:
+        body = protocol.encode_with(summary, "work", body)
+    if trailer is None:
+        return web.Response(body=body, content_type=protocol.CONTENT_TYPE)
+    parts = frames.frame(body, trailer)
+    if trailer.size < PIECE_BYTES:
+        return web.Response(body=b"".join(parts), content_type=frames.CONTENT_TYPE)
+    return await send_in_pieces(request, parts, frames.CONTENT_TYPE)
 
 
 def bearer(request: web.Request) -> str | None:
@@ -187,8 +220,8 @@ async def request_work(request: web.Request) -> web.Response:
     host = co.hosts.authenticate(bearer(request))
     co.access.check_rate(host.id, time.monotonic())
     message = protocol.parse_work_request(await read_body(request, co.config.max_request_bytes))
-    body = await co.requests.request_work(host, message, time.time())
-    return web.Response(body=body, content_type=protocol.CONTENT_TYPE)
+    answer = await co.requests.request_work(host, message, time.time())
+    return await answer_response(request, answer)
 
 
 async def report(request: web.Request) -> web.Response:
@@ -211,8 +244,7 @@ async def report(request: web.Request) -> web.Response:
     await co.ledger.flush()
     if work is None:
         return msgpack_response(summary)
-    body = protocol.encode_with(summary, "work", work)
-    return web.Response(body=body, content_type=protocol.CONTENT_TYPE)
+    return await answer_response(request, work, summary)
 
 
 async def blob(request: web.Request) -> web.StreamResponse:
@@ -224,7 +256,7 @@ async def blob(request: web.Request) -> web.StreamResponse:
         raise protocol.BadRequest(f"malformed blob id {blob_id!r:.80}")
     data = co.blobs.in_memory(blob_id)
     if data is not None and len(data) >= PIECE_BYTES:
-        return await send_in_pieces(request, data)
+        return await send_in_pieces(request, [data], "application/octet-stream")
     if data is not None:
         return web.Response(body=data, headers={"Content-Type": "application/octet-stream"})
     path = co.blobs.path(blob_id)

@@ -76,6 +76,14 @@ def write_atomic(path: Path, data: bytes | memoryview) -> None:
         os.close(dir_fd)
 
 
+def frozen(data: bytes | bytearray | memoryview) -> bytes | memoryview:
+    """Bytes that cannot change under the store: bytes and read-only views (a tile framed in
+    a report body, kernels/frames.py) as they are, anything writable copied."""
+    if isinstance(data, bytes) or (isinstance(data, memoryview) and data.readonly):
+        return data
+    return bytes(data)
+
+
 class BlobNotFound(KeyError):
     """No blob with this id is stored."""
 
@@ -100,7 +108,7 @@ class RecentBlobs:
             if blob in self._blobs:
                 self._blobs.move_to_end(blob)
                 return
-            self._blobs[blob] = bytes(data)
+            self._blobs[blob] = frozen(data)
             self.size += len(data)
             while self.size > self.capacity:
                 _, dropped = self._blobs.popitem(last=False)
@@ -202,7 +210,7 @@ class BlobStore:
         except FileNotFoundError as exc:
             raise BlobNotFound(blob) from exc
 
-    def in_memory(self, blob: str) -> bytes | None:
+    def in_memory(self, blob: str) -> bytes | memoryview | None:
         """The blob's bytes if they are in memory (kept, or not yet written), else None."""
         data = self.recent.get(blob)
         return data if data is not None else self._unwritten.get(blob)
@@ -284,7 +292,7 @@ class BlobStore:
                 # Whether it is on disk already is the writer's question, off the loop.
                 if blob in self._unwritten:
                     continue
-                self._unwritten[blob] = bytes(data)
+                self._unwritten[blob] = frozen(data)
                 self._unwritten_size += len(data)
             self._cond.notify_all()
             # A disk slower than the network: the caller waits for it rather than memory
@@ -465,7 +473,7 @@ class BlobStore:
     def put_array(self, array: np.ndarray, *, keep: bool = False) -> str:
         return self.put(encode_array(array), keep=keep)
 
-    def get(self, blob: str) -> bytes:
+    def get(self, blob: str) -> bytes | memoryview:
         """The blob's bytes: from memory when it was kept (checked when it was stored),
         else from disk, checked against its id."""
         kept = self.in_memory(blob)

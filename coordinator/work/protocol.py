@@ -14,7 +14,7 @@ from typing import Any
 
 import msgpack
 
-from kernels import is_blob_id
+from kernels import frames, is_blob_id
 
 VERSION = 1
 CONTENT_TYPE = "application/msgpack"
@@ -157,6 +157,20 @@ def decode(body: bytes | bytearray, max_bytes: int) -> dict[str, Any]:
     return message
 
 
+def decode_frame(body: bytes | bytearray, max_bytes: int) -> dict[str, Any]:
+    """A framed map from a request body (kernels/frames.py: its large binaries are views of
+    the body, not copies), or BadRequest/TooLarge."""
+    if len(body) > max_bytes:
+        raise TooLarge(f"body of {len(body)} bytes exceeds this endpoint's limit of {max_bytes}")
+    try:
+        message = frames.unpack(body)
+    except frames.FrameError as exc:
+        raise BadRequest(f"body is not a valid frame: {exc}") from exc
+    if not isinstance(message, dict):
+        raise BadRequest(f"body must be a msgpack map, got {type(message).__name__}")
+    return message
+
+
 def _get(message: dict, key: str, kind: type | tuple[type, ...], default: Any = ...) -> Any:
     if key not in message:
         if default is ...:
@@ -266,7 +280,7 @@ def parse_work_request(message: dict[str, Any]) -> WorkRequest:
 class ResultReport:
     result_id: str
     output_hash: str | None  # None when the host reports an error
-    tile: bytes | None  # the tile blob, when the assignment asked for it
+    tile: bytes | memoryview | None  # the tile blob, when the assignment asked for it
     error: str | None
     seconds: float
     abandoned: bool = False  # given back uncomputed (the host is stopping): no error
@@ -310,7 +324,7 @@ def _parse_one_report(entry: dict[str, Any]) -> ResultReport:
         raise BadRequest(f"malformed result id {result_id!r:.80}")
     error = _get(entry, "error", str, None)
     output_hash = _get(entry, "hash", str, None)
-    tile = _get(entry, "tile", bytes, None)
+    tile = _get(entry, "tile", (bytes, memoryview), None)
     seconds = float(_number(entry, "seconds", 0.0, 1e7, 0.0))
     if _get(entry, "abandoned", bool, False):
         if error is not None or output_hash is not None or tile is not None:

@@ -87,6 +87,17 @@ async def test_malformed_and_forged_requests_get_clear_4xx(server):
             got, reply = await post(session, url + path, body, headers)
             assert got == status, (path, body[:40], reply)
             assert words in reply["message"], (words, reply)
+        framed = {"Content-Type": "application/x-tilehive-frames", **auth}
+        work = pack({"request_id": "r", "capacity": 0})
+        for body, words in [
+            (b"THF1", "not a valid frame"),
+            (b"THF1\xff\x00\x00\x00" + work, "claims 255 bytes"),
+            (len(work).to_bytes(4, "little").join([b"XXXX", work]), "bad magic"),
+            (b"THF1\x03\x00\x00\x00" + pack(msgpack.ExtType(9, b"")), "extension"),
+            (b"THF1\x03\x00\x00\x00" + pack([1, 2]), "must be a msgpack map"),
+        ]:
+            got, reply = await post(session, url + "/v1/work", body, framed)
+            assert got == 400 and words in reply["message"], (body[:20], reply)
         async with session.post(
             url + "/v1/hosts", data=pack({"name": "x"}), headers={"Content-Type": "text/plain"}
         ) as resp:

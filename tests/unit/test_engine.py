@@ -36,7 +36,7 @@ async def honest_host(
     reported, cached = 0, ()
     while not stop.is_set():
         request = WorkRequest(f"{name}-{reported}-{time.monotonic_ns()}", 8, cached, (), None, True)
-        reply = msgpack.unpackb(await co.requests.request_work(host, request, time.time()))
+        reply = msgpack.unpackb((await co.requests.request_work(host, request, time.time())).body)
         entries = []
         for a in reply["assignments"]:
             if behaviour == "error":

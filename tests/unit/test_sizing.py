@@ -86,7 +86,7 @@ async def test_a_product_cut_for_the_crowd_has_the_kernels_bits(tmp_path, rng):
         a, b = operands(rng, 64, 48, 40, True, False)
         product = asyncio.create_task(co.products.matmul(a, b, trans_a=True, label="x"))
         request = WorkRequest("r1", 8, (), (), None, True)
-        reply = msgpack.unpackb(await co.requests.request_work(host, request, time.time()))
+        reply = msgpack.unpackb((await co.requests.request_work(host, request, time.time())).body)
         (assignment,) = reply["assignments"]
         assert (assignment["m"], assignment["n"]) == (64, 48)
         for panel in (assignment["a"], assignment["b"]):  # named by the operands' ids

@@ -1,0 +1,129 @@
+"""Framed messages: a msgpack document whose large binaries travel after it, uncopied.
+
+A tile or a panel inside a plain msgpack body is copied once into the body by the sender and
+once out of it by the receiver, each copy into fresh memory (for the larger project, a
+gigabyte a step each way). A framed body carries the same message with every binary of
+BIG_BINARY bytes or more moved behind the document:
+
+    magic     b"THF1"                4 bytes
+    length    uint32 LE              4 bytes: the document's length
+    document  msgpack                each moved binary replaced by ExtType(REF, offset, size)
+    trailer   the moved binaries, one after another (offset: from the trailer's start)
+
+The sender writes the binaries from where they are; the receiver gets each one as a
+read-only view of the body it read. Coordinator and volunteer both speak it (the content
+type CONTENT_TYPE, docs/protocol.md) and fall back to plain msgpack with a peer that does not.
+"""
+
+from __future__ import annotations
+
+import struct
+from typing import Any
+
+import msgpack
+
+CONTENT_TYPE = "application/x-tilehive-frames"
+MAGIC = b"THF1"
+BIG_BINARY = 64 << 10  # smaller binaries stay in the document: a copy there costs nothing
+REF = 1  # the msgpack extension type of a moved binary
+_REF = struct.Struct("<QQ")
+_HEAD = struct.Struct("<4sI")
+
+Buffer = bytes | bytearray | memoryview
+
+
+class FrameError(ValueError):
+    """These bytes are not a well-formed framed message."""
+
+
+class Trailer:
+    """The binaries moved behind a document, in order: `ref` one, get its placeholder."""
+
+    def __init__(self) -> None:
+        self.parts: list[Buffer] = []
+        self.size = 0
+
+    def ref(self, data: Buffer) -> msgpack.ExtType:
+        size = memoryview(data).nbytes
+        placeholder = msgpack.ExtType(REF, _REF.pack(self.size, size))
+        self.parts.append(data)
+        self.size += size
+        return placeholder
+
+    def moved(self, value: Any) -> Any:
+        """`value` with each large binary in it replaced by a reference to the trailer (maps
+        and lists are walked; the rest is left as it is)."""
+        if isinstance(value, bytes | bytearray | memoryview):
+            return self.ref(value) if memoryview(value).nbytes >= BIG_BINARY else value
+        if isinstance(value, dict):
+            return {k: self.moved(v) for k, v in value.items()}
+        if isinstance(value, list | tuple):
+            return [self.moved(v) for v in value]
+        return value
+
+
+def frame(document: bytes, trailer: Trailer) -> list[Buffer]:
+    """The body of a framed message from its encoded document and its trailer, as buffers
+    to send one after another (the binaries are not copied)."""
+    return [_HEAD.pack(MAGIC, len(document)) + document, *trailer.parts]
+
+
+def pack(message: Any) -> list[Buffer]:
+    """`message` framed, as buffers (their sum is the body)."""
+    trailer = Trailer()
+    document = msgpack.packb(trailer.moved(message), use_bin_type=True)
+    return frame(document, trailer)
+
+
+def unpack(body: Buffer) -> Any:
+    """The message in a framed body, its moved binaries as read-only views of `body`.
+    FrameError when the bytes are not a well-formed frame."""
+    view = memoryview(body).cast("B").toreadonly()
+    if len(view) < _HEAD.size:
+        raise FrameError("a framed body needs at least 8 bytes")
+    magic, length = _HEAD.unpack_from(view)
+    if magic != MAGIC:
+        raise FrameError("not a framed message (bad magic)")
+    end = _HEAD.size + length
+    if end > len(view):
+        raise FrameError(f"the document claims {length} bytes, the body holds {len(view)}")
+    trailer = view[end:]
+
+    def moved(code: int, data: bytes) -> memoryview:
+        if code != REF or len(data) != _REF.size:
+            raise FrameError(f"unknown msgpack extension {code}")
+        offset, size = _REF.unpack(data)
+        if offset + size > len(trailer):
+            raise FrameError(f"a binary of {size} bytes at {offset} runs past the body")
+        return trailer[offset : offset + size]
+
+    try:
+        return msgpack.unpackb(
+            view[_HEAD.size : end], raw=False, strict_map_key=True, ext_hook=moved
+        )
+    except FrameError:
+        raise
+    except Exception as exc:  # msgpack raises several unrelated types for bad input
+        raise FrameError(f"the document is not valid msgpack: {type(exc).__name__}: {exc}") from exc
+
+
+def extend_map(document: bytes, fields: dict[str, Any], trailer: Trailer | None) -> bytes:
+    """An encoded msgpack map with more fields, without decoding it: the fields' large
+    binaries go to `trailer` (None: they stay in the document, for a plain msgpack body)."""
+    if not fields:
+        return document
+    first = document[0]
+    if 0x80 <= first <= 0x8F:
+        count, rest = first & 0x0F, document[1:]
+    elif first == 0xDE:
+        count, rest = struct.unpack_from(">H", document, 1)[0], document[3:]
+    elif first == 0xDF:
+        count, rest = struct.unpack_from(">I", document, 1)[0], document[5:]
+    else:
+        raise ValueError("not an encoded msgpack map")
+    packer = msgpack.Packer(use_bin_type=True)
+    parts = [packer.pack_map_header(count + len(fields)), rest]
+    for key, value in fields.items():
+        value = trailer.moved(value) if trailer is not None else value
+        parts += (packer.pack(key), packer.pack(value))
+    return b"".join(parts)
