@@ -23,7 +23,7 @@ from coordinator.work.records import Host, Result, WorkUnit
 
 REPLIES_KEPT_PER_HOST = 16  # in memory; the store keeps config.replies_per_host
 PAUSED_DELAY = 5.0  # seconds a host waits before asking a paused project again
-INLINE_BYTES = 4 << 20  # operand panels sent inside one work reply, at most
+INLINE_BYTES = 64 << 20  # operand panels sent inside one work reply, at most
 FINISHED_DELAY = 60.0  # an older volunteer that does not know `finished` asks seldom
 FINISHED_NOTE = "the project is finished: every training step is done"
 
