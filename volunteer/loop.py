@@ -201,8 +201,16 @@ class PullLoop(CoordinatorSession):
         room = self._capacity()
         # With nothing queued it always asks, for no work if it has no room: a heartbeat
         # that lists what it holds (and is where aborts come back), never a spin.
-        if reply is None and (not self.queue or time_to_ask(len(self.queue), room, self.short)):
+        if reply is None and not self.queue:
             reply = await self._ask(room)
+        elif (
+            reply is None and self.asking is None and time_to_ask(len(self.queue), room, self.short)
+        ):
+            if self._outlasts_round_trips([job.assignment for job in self.queue]):
+                # The queue outlasts the answer: ask while it computes, not before.
+                self.asking = asyncio.ensure_future(self._ask(room))
+            else:
+                reply = await self._ask(room)
         if self.queue:
             self.state = "working"
             self.backoff.reset()
@@ -216,7 +224,13 @@ class PullLoop(CoordinatorSession):
             # With the queue empty the next cycle asks for work at once, and the reports
             # ride on that request.
             elif self.queue and report_due(self.pending, len(self.queue)):
-                await self._flush()
+                if self.asking is None and self._outlasts_round_trips(
+                    [job.assignment for job in self.queue]
+                ):
+                    # Sent while the queue computes, with an ask for more riding on it.
+                    self.asking = asyncio.ensure_future(self._ask(self._capacity()))
+                elif self.asking is None:
+                    await self._flush()
         elif reply is not None and not reply["assignments"]:
             self.state = "idle"
             delay = self.idle.next_delay(at_least=float(reply.get("delay", 0.0)))
@@ -269,11 +283,14 @@ class PullLoop(CoordinatorSession):
         arrive before this tile is done."""
         if self.queue or self.asking is not None or self.leaving:
             return
-        flops = 2.0 * assignment["m"] * assignment["n"] * assignment["k"]
-        rate = self.flops_per_second or self.gflops * 1e9
-        seconds = flops / rate if rate else 0.0
-        if ask_ahead(seconds, self.round_trip()):
+        if self._outlasts_round_trips([assignment]):
             self.asking = asyncio.ensure_future(self._ask(self._capacity()))
+
+    def _outlasts_round_trips(self, assignments: list[dict[str, Any]]) -> bool:
+        """These tiles take longer to compute than an answer takes to come (policy.ask_ahead)."""
+        flops = sum(2.0 * a["m"] * a["n"] * a["k"] for a in assignments)
+        rate = self.flops_per_second or self.gflops * 1e9
+        return ask_ahead(flops / rate if rate else 0.0, self.round_trip())
 
     def round_trip(self) -> float | None:
         """Seconds a call takes at the least, lately: a long poll that waited is never

@@ -292,8 +292,11 @@ class Watched(ScriptedVolunteer):
         super().__init__(url, name, behaviour)
         self.queued_after: list[int] = []  # tiles queued as each tile finished
         self.asked_ahead: list[bool] = []  # a work request was in flight as it finished
+        self.started_asking: list[bool] = []
 
     async def _kernel(self, assignment, a, b):
+        asking = self.asking is not None and not self.asking.done()
+        self.started_asking.append(asking)  # a request in flight as this tile starts
         done = await super()._kernel(assignment, a, b)
         if self.asking is not None:
             await asyncio.wait_for(asyncio.shield(self.asking), TIMEOUT)
@@ -326,6 +329,31 @@ async def test_a_slow_tile_has_the_next_work_asked_for_while_it_computes(tmp_pat
     assert volunteer.asked_ahead == [False, True, True]
     assert volunteer.queued_after == [0, 1, 0]
     assert volunteer.stats.duplicate == 0 and volunteer.stats.reported == 3
+
+
+async def test_with_slow_work_queued_the_volunteer_asks_and_reports_while_it_computes(
+    tmp_path, rng
+):
+    """Holding work that outlasts a round trip, the volunteer never waits for an answer
+    before its next tile: its report and its next ask go out while that tile computes."""
+    slow = Behaviour(capacity=2, seconds_per_tile=0.3)
+    async with running(tmp_path, policy=Policy.FREIVALDS, tile=16) as (_co, queue, url):
+        volunteer = Watched(url, "slow", slow)
+        stop = asyncio.Event()
+        task = asyncio.create_task(volunteer.run(stop))
+        pairs = [operands(rng, 16, 16, 8, False, False) for _ in range(4)]
+        results = await asyncio.wait_for(
+            asyncio.gather(*(queue.matmul(a, b, label=f"s{i}") for i, (a, b) in enumerate(pairs))),
+            TIMEOUT,
+        )
+        stop.set()
+        await task
+    for (a, b), got in zip(pairs, results, strict=True):
+        assert np.array_equal(bits(got), bits(kernels.gemm(a, b)))
+    # Two tiles came in the first answer; the first one's speed known, the second started
+    # with the report of the first (and an ask) on its way, not after its answer.
+    assert volunteer.started_asking[:2] == [False, True]
+    assert volunteer.stats.reported == 4 and volunteer.stats.duplicate == 0
 
 
 async def test_a_quick_tile_does_not_ask_ahead(tmp_path, rng):
