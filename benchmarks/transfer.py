@@ -42,7 +42,7 @@ async def serve(port: int) -> None:
 
     async def download(request: web.Request) -> web.StreamResponse:
         if request.match_info["how"] == "pieces":
-            return await api.send_in_pieces(request, data)
+            return await api.send_in_pieces(request, [data], "application/octet-stream")
         return web.Response(body=data)
 
     async def upload(request: web.Request) -> web.Response:
@@ -78,7 +78,7 @@ async def measure(url: str, rounds: int) -> dict[str, float]:
                 assert len(got) == SIZE
                 times.setdefault(f"down {how}", []).append(time.perf_counter() - started)
                 started = time.perf_counter()
-                data = client.in_pieces(body) if how == "pieces" else body
+                data = client.in_pieces([body]) if how == "pieces" else body
                 headers = {"Content-Length": str(SIZE)}
                 async with session.post(f"{url}/{how}", data=data, headers=headers) as resp:
                     assert await resp.text() == str(SIZE)
