@@ -1,4 +1,5 @@
-"""Deterministic compute for tilehive: the GEMM kernel, its numpy twin, content hashing."""
+"""Deterministic compute for tilehive: the GEMM kernel, its numpy twin, content hashing, and
+the framed messages that carry blobs uncopied (kernels/frames.py)."""
 
 from kernels.gemm import batched_gemm, gemm, kernel_name
 from kernels.hashing import (

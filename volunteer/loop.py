@@ -543,7 +543,10 @@ class PullLoop(CoordinatorSession):
         try:
             async with asyncio.timeout(max(1.0, timeout) if graceful else None):
                 await asking
-        except (asyncio.CancelledError, ProjectFinished):
+        except asyncio.CancelledError:
+            if asyncio.current_task().cancelling():
+                raise  # leave() itself is being cancelled, not just the request
+        except ProjectFinished:
             pass  # nothing more was assigned
         except Exception as exc:  # failed on the way: nothing to give back
             if graceful:
