@@ -305,24 +305,28 @@ class Watched(ScriptedVolunteer):
         return done
 
 
+async def watched_products(tmp_path, rng, behaviour: Behaviour, count: int) -> Watched:
+    """`count` one-tile products computed by one Watched volunteer, checked bit for bit."""
+    async with running(tmp_path, policy=Policy.FREIVALDS, tile=16) as (_co, queue, url):
+        volunteer = Watched(url, "watched", behaviour)
+        stop = asyncio.Event()
+        task = asyncio.create_task(volunteer.run(stop))
+        pairs = [operands(rng, 16, 16, 8, False, False) for _ in range(count)]
+        products = (queue.matmul(a, b, label=f"p{i}") for i, (a, b) in enumerate(pairs))
+        results = await asyncio.wait_for(asyncio.gather(*products), TIMEOUT)
+        stop.set()
+        await task
+    for (a, b), got in zip(pairs, results, strict=True):
+        assert np.array_equal(bits(got), bits(kernels.gemm(a, b)))
+    return volunteer
+
+
 async def test_a_slow_tile_has_the_next_work_asked_for_while_it_computes(tmp_path, rng):
     """A tile that takes longer than a round trip: the volunteer asks for its next work
     while it computes, so that work is in its queue when the tile is done (it never waits
     for the network between tiles); every tile reported once, the products exact."""
     slow = Behaviour(capacity=1, seconds_per_tile=0.3)
-    async with running(tmp_path, policy=Policy.FREIVALDS, tile=16) as (_co, queue, url):
-        volunteer = Watched(url, "slow", slow)
-        stop = asyncio.Event()
-        task = asyncio.create_task(volunteer.run(stop))
-        pairs = [operands(rng, 16, 16, 8, False, False) for _ in range(3)]
-        products = asyncio.gather(
-            *(queue.matmul(a, b, label=f"p{i}") for i, (a, b) in enumerate(pairs))
-        )
-        results = await asyncio.wait_for(products, TIMEOUT)
-        stop.set()
-        await task
-    for (a, b), got in zip(pairs, results, strict=True):
-        assert np.array_equal(bits(got), bits(kernels.gemm(a, b)))
+    volunteer = await watched_products(tmp_path, rng, slow, 3)
     # The first tile's speed is not yet known: the next is asked for after it. Then the
     # volunteer knows its tiles outlast its round trips and asks during each (during the
     # last for nothing), and the third tile was queued while the second computed.
@@ -337,19 +341,7 @@ async def test_with_slow_work_queued_the_volunteer_asks_and_reports_while_it_com
     """Holding work that outlasts a round trip, the volunteer never waits for an answer
     before its next tile: its report and its next ask go out while that tile computes."""
     slow = Behaviour(capacity=2, seconds_per_tile=0.3)
-    async with running(tmp_path, policy=Policy.FREIVALDS, tile=16) as (_co, queue, url):
-        volunteer = Watched(url, "slow", slow)
-        stop = asyncio.Event()
-        task = asyncio.create_task(volunteer.run(stop))
-        pairs = [operands(rng, 16, 16, 8, False, False) for _ in range(4)]
-        results = await asyncio.wait_for(
-            asyncio.gather(*(queue.matmul(a, b, label=f"s{i}") for i, (a, b) in enumerate(pairs))),
-            TIMEOUT,
-        )
-        stop.set()
-        await task
-    for (a, b), got in zip(pairs, results, strict=True):
-        assert np.array_equal(bits(got), bits(kernels.gemm(a, b)))
+    volunteer = await watched_products(tmp_path, rng, slow, 4)
     # Two tiles came in the first answer; the first one's speed known, the second started
     # with the report of the first (and an ask) on its way, not after its answer.
     assert volunteer.started_asking[:2] == [False, True]
@@ -359,21 +351,7 @@ async def test_with_slow_work_queued_the_volunteer_asks_and_reports_while_it_com
 async def test_a_quick_tile_does_not_ask_ahead(tmp_path, rng):
     """Tiles shorter than a round trip: asking during one would still be out when it is
     done, and its report would need a call of its own; the volunteer asks after each."""
-    async with (
-        running(tmp_path, policy=Policy.FREIVALDS, tile=16) as (_co, queue, url),
-    ):
-        volunteer = Watched(url, "quick", Behaviour(capacity=1))
-        stop = asyncio.Event()
-        task = asyncio.create_task(volunteer.run(stop))
-        pairs = [operands(rng, 16, 16, 8, False, False) for _ in range(3)]
-        results = await asyncio.wait_for(
-            asyncio.gather(*(queue.matmul(a, b, label=f"q{i}") for i, (a, b) in enumerate(pairs))),
-            TIMEOUT,
-        )
-        stop.set()
-        await task
-    for (a, b), got in zip(pairs, results, strict=True):
-        assert np.array_equal(bits(got), bits(kernels.gemm(a, b)))
+    volunteer = await watched_products(tmp_path, rng, Behaviour(capacity=1), 3)
     assert volunteer.asked_ahead == [False, False, False]
     assert volunteer.stats.reported == 3
 
