@@ -318,7 +318,7 @@ class PullLoop(CoordinatorSession):
                 self.log.error("ignoring an inline operand %s: %s", blob_id[:16], exc)
                 continue
             self.stats.bytes_down += len(data)
-            self.cache.put(blob_id, data)
+            self.cache.put(blob_id, _own_bytes(data))
 
     def _in_progress(self) -> list[str]:
         ids = [job.assignment["result_id"] for job in self.queue]
@@ -551,6 +551,15 @@ class PullLoop(CoordinatorSession):
         except Exception as exc:  # failed on the way: nothing to give back
             if graceful:
                 self._failed("work", exc)
+
+
+def _own_bytes(data: bytes | memoryview) -> bytes | memoryview:
+    """A panel to cache: a view of the answer it came in when it is most of that answer,
+    else a copy. A view keeps its whole answer alive, and the cache, which counts the view,
+    must free what it counts when it lets the panel go (--max-memory)."""
+    if isinstance(data, memoryview) and data.nbytes < 0.9 * memoryview(data.obj).nbytes:
+        return bytes(data)
+    return data
 
 
 def _done() -> asyncio.Future:

@@ -339,6 +339,32 @@ async def test_tiles_that_share_a_panel_download_it_once():
     assert await downloads.get("p", download) == b"panel" and calls == [1, 1]  # done: anew
 
 
+def test_panels_inside_a_framed_answer_are_cached_without_pinning_the_rest_of_it():
+    """A panel that is most of its answer is cached as a view of it (no copy); one that
+    shares the answer with another is copied, so that letting it go frees what the cache
+    counted (a view would keep the whole answer alive)."""
+    from kernels import frames
+    from volunteer.cache import BlobCache
+    from volunteer.client import CoordinatorClient
+    from volunteer.loop import PullLoop
+
+    rng = np.random.default_rng(3)
+    big, small = (
+        kernels.encode_array(rng.standard_normal(n, dtype=np.float32)) for n in (60_000, 20_000)
+    )
+    ids = {kernels.blob_id(big): big, kernels.blob_id(small): small}
+    loop = PullLoop(CoordinatorClient("http://127.0.0.1:9"), name="v", cache=BlobCache(1 << 30))
+    alone = frames.unpack(b"".join(frames.pack({"blobs": {kernels.blob_id(big): big}})))
+    loop._keep_inline(alone["blobs"])
+    assert isinstance(loop.cache.get(kernels.blob_id(big), count=False), memoryview)
+    loop.cache = BlobCache(1 << 30)
+    shared = frames.unpack(b"".join(frames.pack({"blobs": ids})))
+    loop._keep_inline(shared["blobs"])
+    for blob_id, data in ids.items():
+        cached = loop.cache.get(blob_id, count=False)
+        assert isinstance(cached, bytes) and cached == data
+
+
 def test_the_cache_hit_rate_counts_operands_that_cost_no_download_of_their_own():
     from volunteer.cache import BlobCache
 
