@@ -305,7 +305,10 @@ class PullLoop(CoordinatorSession):
 
     def _keep_inline(self, blobs: dict[str, bytes | memoryview]) -> None:
         """Operand panels sent inside the answer: checked against their names like any
-        download, then cached, so the assignments that use them fetch nothing."""
+        download, then cached, so the assignments that use them fetch nothing. The largest
+        is cached as it came (a view of the answer, when framed); the others are copied, so
+        that the answer's memory goes when that one does."""
+        largest = max(blobs, key=lambda b: _size(blobs[b]), default=None)
         for blob_id, data in blobs.items():
             if not isinstance(data, bytes | memoryview):
                 continue
@@ -318,7 +321,7 @@ class PullLoop(CoordinatorSession):
                 self.log.error("ignoring an inline operand %s: %s", blob_id[:16], exc)
                 continue
             self.stats.bytes_down += len(data)
-            self.cache.put(blob_id, _own_bytes(data))
+            self.cache.put(blob_id, data if blob_id == largest else bytes(data))
 
     def _in_progress(self) -> list[str]:
         ids = [job.assignment["result_id"] for job in self.queue]
@@ -553,13 +556,8 @@ class PullLoop(CoordinatorSession):
                 self._failed("work", exc)
 
 
-def _own_bytes(data: bytes | memoryview) -> bytes | memoryview:
-    """A panel to cache: a view of the answer it came in when it is most of that answer,
-    else a copy. A view keeps its whole answer alive, and the cache, which counts the view,
-    must free what it counts when it lets the panel go (--max-memory)."""
-    if isinstance(data, memoryview) and data.nbytes < 0.9 * memoryview(data.obj).nbytes:
-        return bytes(data)
-    return data
+def _size(data: object) -> int:
+    return len(data) if isinstance(data, bytes | memoryview) else 0
 
 
 def _done() -> asyncio.Future:
