@@ -29,7 +29,7 @@ from coordinator.rules.scheduler import Scheduler
 from coordinator.state.blobs import BlobStore
 from coordinator.state.ledger import Ledger
 from coordinator.state.store import Store
-from coordinator.work.records import WuState
+from coordinator.work.records import GemmState, WuState
 
 __all__ = ["Coordinator", "CoordinatorConfig", "GemmFailed", "GemmOutput"]
 
@@ -120,6 +120,9 @@ class Coordinator:
             message = f"{gemm.label or gemm.id[:12]} of step {gemm.step} lost blobs; run again"
             log.warning("%s (a power cut?)", message)
             self.products.drop(gemm, message, time.time())
+        for gemm in self.ledger.gemms.values():
+            if gemm.state is GemmState.ACTIVE:
+                self.products.hold_panels(gemm)
         await self._restore_pause()
         if snapshot.gemms:
             log.info(

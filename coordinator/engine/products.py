@@ -21,7 +21,7 @@ import kernels
 from coordinator.engine.config import CoordinatorConfig
 from coordinator.engine.crowd import CrowdWatch
 from coordinator.engine.offload import offload
-from coordinator.engine.recovery import canonical_tile, panels, restore_panels
+from coordinator.engine.recovery import canonical_tile, panel_ids, panels, restore_panels
 from coordinator.rules import sizing
 from coordinator.state.blobs import BlobStore
 from coordinator.state.ledger import Ledger
@@ -176,11 +176,14 @@ class Products:
             else:
                 # Made before a restart. Blobs are not synced (docs/architecture.md): after
                 # a kill or a power cut, panels that are gone are stored again from the operands.
-                await restore_panels(self.blobs, self.ledger, self.store, gemm, a, b)
+                self.held[gid] += await restore_panels(
+                    self.blobs, self.ledger, self.store, gemm, a, b
+                )
             if gemm.state is GemmState.DONE:
                 # Finished before a restart: the tiles are committed blobs.
                 wus, _ = await self.store.gemm_work(gid)
                 await asyncio.to_thread(self._fill, output.out, wus)
+                self._let_go(gid)
                 del self.outputs[gid]
                 output.done.set_result(output.out)
                 return output.out
@@ -200,7 +203,7 @@ class Products:
         except BaseException as exc:
             self.outputs.pop(gid, None)
             if gid not in self.ledger.gemms:
-                self._let_go(gid)  # its panels were stored, its work never published
+                self._let_go(gid)  # panels stored or held for it; none of its work is live
             if not output.done.done():
                 output.done.set_exception(exc)
                 output.done.exception()  # retrieved: the caller gets it raised below
@@ -330,6 +333,14 @@ class Products:
             self.held[gemm_id] += blobs
         else:
             self.blobs.release(blobs)
+
+    def hold_panels(self, gemm: Gemm) -> None:
+        """Hold the panels of a product restored from the store: volunteers fetch them
+        before the training loop asks for the product, and a new product sharing one must
+        not delete it when it lets go of its own hold."""
+        panels = panel_ids(self.ledger.workunits_for(gemm.id))
+        self.blobs.hold(panels)
+        self.held[gemm.id] += panels
 
     def _let_go(self, gemm_id: str) -> None:
         self.blobs.release(self.held.pop(gemm_id, ()))

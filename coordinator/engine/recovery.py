@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Iterable
 
 import numpy as np
 
@@ -53,6 +54,11 @@ def panels(
     return rows, cols
 
 
+def panel_ids(workunits: Iterable[WorkUnit]) -> list[str]:
+    """The operand panels these work units read, each once, in a fixed order."""
+    return sorted({p for wu in workunits for p in (wu.a_panel, wu.b_panel)})
+
+
 def canonical_tile(blobs: BlobStore, wu: WorkUnit) -> np.ndarray:
     """A validated work unit's tile, from its blob; recomputed with the kernel (the same
     bits) when a kill or a power cut took the blob, or the disk damaged it."""
@@ -74,23 +80,33 @@ def canonical_tile(blobs: BlobStore, wu: WorkUnit) -> np.ndarray:
 
 async def restore_panels(
     blobs: BlobStore, ledger: Ledger, store: Store, gemm: Gemm, a: np.ndarray, b: np.ndarray
-) -> None:
-    """Store again, from its operands, the panels of a product made before a restart."""
+) -> list[str]:
+    """Store again, from its operands, the panels of a product made before a restart.
+
+    Returns the panels, held (BlobStore.hold) before they were looked for: a new product
+    sharing one (the same weight, another micro-batch) lets go of it when it is done, and
+    that must not delete it under this one. The caller releases them with the product."""
     workunits = ledger.workunits_for(gemm.id) or (await store.gemm_work(gemm.id))[0]
-    needed = {p for wu in workunits for p in (wu.a_panel, wu.b_panel)}
-    if all(await asyncio.to_thread(lambda: [blobs.has(p) for p in needed])):
-        return
+    needed = panel_ids(workunits)
+    blobs.hold(needed)
+    try:
+        if all(await asyncio.to_thread(lambda: [blobs.has(p) for p in needed])):
+            return needed
 
-    def store_panels() -> None:
-        rows, cols = panels(a, b, gemm.trans_a, gemm.trans_b, gemm.tile, gemm.m, gemm.n)
-        blobs.put_many([(kernels.encode_array(p), None) for p in (*rows, *cols)])
+        def store_panels() -> None:
+            rows, cols = panels(a, b, gemm.trans_a, gemm.trans_b, gemm.tile, gemm.m, gemm.n)
+            blobs.put_many([(kernels.encode_array(p), None) for p in (*rows, *cols)])
 
-    await asyncio.to_thread(store_panels)
+        await asyncio.to_thread(store_panels)
+    except BaseException:
+        blobs.release(needed)
+        raise
     _recovered(
         "step %d: %s's operand panels were gone; stored again",
         gemm.step,
         gemm.label or gemm.id[:12],
     )
+    return needed
 
 
 def lost_products(ledger: Ledger, blobs: BlobStore) -> list[Gemm]:

@@ -429,6 +429,15 @@ class BlobStore:
                 os.unlink(tmp)
             raise
 
+    def hold(self, blobs: Iterable[str]) -> None:
+        """Hold blobs once more, stored yet or not, as `put_many(hold=True)` does: a reader
+        of blobs another holder may let go of (a product made before a restart shares a
+        panel with a new one) holds them before it looks, and releases them when done."""
+        with self._cond:
+            for blob in blobs:
+                self._holds[blob] += 1
+                self._released.pop(blob, None)
+
     def release(self, blobs: Iterable[str]) -> None:
         """Let go of blobs put with `hold`, once each: one nobody holds any more is deleted.
         A finished product's panels and tiles leave memory this way, unwritten, rather

@@ -181,6 +181,83 @@ async def test_blobs_lost_to_a_power_cut_are_stored_or_computed_again(tmp_path, 
     np.testing.assert_array_equal(bits(second), bits(kernels.gemm(a, b)))
 
 
+async def test_a_product_made_before_a_kill_keeps_the_panels_it_shares_with_a_new_one(
+    tmp_path, rng, monkeypatch
+):
+    """After a kill a finished product's tiles are gone and its panels may be only in the
+    memory of a new product with the same weight (another micro-batch). The new one letting
+    go of them (done, or dropped) while the old one recomputes its tiles must not delete
+    them under it: the old product holds its panels too."""
+    config = CoordinatorConfig(
+        directory=tmp_path, tile=16, policy=Policy.FREIVALDS, seed=1, long_poll=0.05
+    )
+    store = MemoryStore()
+    co = Coordinator(config, store)
+    await co.start()
+    a, b = operands(rng, 32, 32, 8, False, False)
+    other, _ = operands(rng, 32, 32, 8, False, False)
+    stop = asyncio.Event()
+    host = asyncio.create_task(honest_host(co, "h", stop))
+    first = await asyncio.wait_for(co.products.matmul(a, b), 30)
+    stop.set()
+    await host
+    await co.stop()
+    for blob in list((tmp_path / "blobs").rglob("*")):
+        if blob.is_file():
+            blob.unlink()  # the kill took every blob
+    again = Coordinator(config, store)
+    await again.start()
+    pending = asyncio.create_task(again.products.matmul(other, b))  # shares b's panels
+    try:
+        await wait_until(lambda: again.ledger.unsent)
+        (new,) = again.ledger.gemms.values()
+        fill = again.products._fill
+
+        def fill_once_the_new_one_let_go(out, wus):
+            again.products._let_go(new.id)
+            fill(out, wus)
+
+        monkeypatch.setattr(again.products, "_fill", fill_once_the_new_one_let_go)
+        second = await asyncio.wait_for(again.products.matmul(a, b), 30)
+    finally:
+        pending.cancel()
+        await again.stop()
+    np.testing.assert_array_equal(bits(second), bits(first))
+
+
+async def test_a_product_restored_unfinished_keeps_its_panels_for_the_volunteers(tmp_path, rng):
+    """Volunteers fetch a restored product's panels before the training loop asks for it
+    again: a new product with the same weight letting go of them meanwhile must not delete
+    them."""
+    config = CoordinatorConfig(
+        directory=tmp_path, tile=16, policy=Policy.FREIVALDS, seed=1, long_poll=0.05
+    )
+    store = MemoryStore()
+    co = Coordinator(config, store)
+    await co.start()
+    a, b = operands(rng, 32, 32, 8, False, False)
+    other, _ = operands(rng, 32, 32, 8, False, False)
+    pending = asyncio.create_task(co.products.matmul(a, b))
+    await wait_until(lambda: co.ledger.unsent)  # published, nobody computing it
+    await co.stop()  # a clean stop writes the panels
+    pending.cancel()
+    again = Coordinator(config, store)
+    await again.start()
+    try:
+        (restored,) = again.ledger.gemms.values()
+        panels = {
+            p for wu in again.ledger.workunits_for(restored.id) for p in (wu.a_panel, wu.b_panel)
+        }
+        pending = asyncio.create_task(again.products.matmul(other, b))
+        await wait_until(lambda: len(again.ledger.gemms) == 2)
+        (new,) = [g for g in again.ledger.gemms.values() if g.id != restored.id]
+        again.products.drop(new, "dropped by the test", time.time())
+        assert all(again.blobs.has(p) and not again.blobs.released(p) for p in panels)
+    finally:
+        pending.cancel()
+        await again.stop()
+
+
 async def test_an_active_product_whose_blobs_a_power_cut_took_is_run_again(tmp_path, rng):
     """A restarted coordinator drops an unfinished product whose panels are gone (as if it
     had failed in an earlier run); asked for again, it is published anew and exact."""
