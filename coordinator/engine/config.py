@@ -41,6 +41,9 @@ class CoordinatorConfig:
     replies_per_host: int = 64
     long_poll: float = 2.0  # seconds a work request may wait for work to appear
     no_work_delay: float = 1.0  # seconds a host is asked to wait when there is no work
+    # Idle hosts are asked to wait longer when there are many, so that together they ask
+    # for work about this often a second (rules/scheduler.py, idle_delay).
+    idle_asks_per_s: float = 500.0
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     trust: trust.TrustConfig = field(default_factory=trust.TrustConfig)
     seed: int | None = None  # scheduler randomness (adaptive replication); None: from the OS

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 
 from coordinator.engine.config import CoordinatorConfig
 from coordinator.engine.waiters import Waiters
-from coordinator.rules.scheduler import Scheduler
+from coordinator.rules.scheduler import Scheduler, idle_delay
 from coordinator.state.blobs import BlobStore
 from coordinator.state.ledger import Ledger
 from coordinator.state.store import Reply, Store
@@ -26,6 +26,32 @@ PAUSED_DELAY = 5.0  # seconds a host waits before asking a paused project again
 INLINE_BYTES = 64 << 20  # operand panels sent inside one work reply, at most
 FINISHED_DELAY = 60.0  # an older volunteer that does not know `finished` asks seldom
 FINISHED_NOTE = "the project is finished: every training step is done"
+# An idle host waits at most this long between asks: well inside the minute after which
+# a host no longer counts as connected (engine/waiting.py).
+IDLE_DELAY_CAP = 30.0
+
+
+class IdleHosts:
+    """Hosts answered without work in the last IDLE_DELAY_CAP seconds, oldest first: how
+    many there are spreads their next asks (rules/scheduler.py, idle_delay). A host given
+    work leaves."""
+
+    def __init__(self) -> None:
+        self._since: OrderedDict[int, float] = OrderedDict()
+
+    def idle(self, host_id: int, now: float) -> int:
+        """This host was answered without work at `now`; the number of idle hosts."""
+        self._since.pop(host_id, None)
+        self._since[host_id] = now
+        while next(iter(self._since.values())) < now - IDLE_DELAY_CAP:
+            self._since.popitem(last=False)
+        return len(self._since)
+
+    def busy(self, host_id: int) -> None:
+        self._since.pop(host_id, None)
+
+    def __len__(self) -> int:
+        return len(self._since)
 
 
 @dataclass(frozen=True, slots=True)
@@ -62,6 +88,7 @@ class WorkRequests:
         self.told: set[int] = set()  # hosts told that the project is finished
         self.waiters = Waiters()  # long-polling work requests
         self._replies: dict[int, OrderedDict[str, bytes]] = {}
+        self.idle = IdleHosts()
         self._inflight: dict[tuple[int, str], asyncio.Future] = {}
 
     def signal_work(self) -> None:
@@ -140,7 +167,8 @@ class WorkRequests:
         # Other hosts waiting for work get their share of a product: one host does not take
         # all of its tiles while the rest idle (sized work cut it for all of them).
         plan = self.scheduler.plan(host, request, now, others=self.waiters.hosts)
-        deadline = time.monotonic() + self.config.long_poll
+        asked = time.monotonic()
+        deadline = asked + self.config.long_poll
         while not plan.assignments and plan.room > 0 and request.wait:
             remaining = deadline - time.monotonic()
             if remaining <= 0 or not await self.waiters.wait(remaining):
@@ -158,11 +186,22 @@ class WorkRequests:
         self.ledger.log(plan.events)
         self.stats["bytes_saved"] += plan.bytes_saved
         assignments = [self._assignment(a.wu, a.result, now) for a in plan.assignments]
+        delay = 0.0
+        if assignments:
+            self.idle.busy(host.id)
+        else:
+            delay = idle_delay(
+                self.idle.idle(host.id, now),
+                time.monotonic() - asked,
+                self.config.no_work_delay,
+                self.config.idle_asks_per_s,
+                IDLE_DELAY_CAP,
+            )
         message = {
             "assignments": assignments,
             "abort": plan.abort,
             "bytes_saved": plan.bytes_saved,
-            "delay": 0.0 if assignments else self.config.no_work_delay,
+            "delay": delay,
         }
         if plan.too_big and not assignments:
             message["note"] = (
@@ -172,12 +211,20 @@ class WorkRequests:
             )
         elif not assignments and (why := self.why_waiting()):
             message["note"] = why
+        elif delay > self.config.no_work_delay:
+            message["note"] = (
+                "more volunteers than work: idle hosts ask less often, so that together "
+                f"they ask about {self.config.idle_asks_per_s:.0f} times a second"
+            )
         body = encode(message)
         # A reply that assigns or aborts nothing changes nothing: a retry may be planned
         # afresh, so only memory keeps it (10,000 idle hosts would write 5,000 rows/s).
         durable = bool(assignments or plan.abort)
         self._remember(host.id, request.request_id, body, now, durable)
-        await self.ledger.flush()
+        if durable:
+            await self.ledger.flush()
+        # else it promises nothing: the host's last contact is committed with the next
+        # commit, within the passes' window, and idle hosts do not queue behind commits.
         # The panels ride along on this answer only; a retry gets the stored answer
         # without them and fetches what it lacks.
         return Answer(body, self._inline(assignments, set(request.cached)))

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import gzip
 import json
 import time
@@ -287,6 +288,70 @@ async def test_an_active_product_whose_blobs_a_power_cut_took_is_run_again(tmp_p
     finally:
         await again.stop()
     np.testing.assert_array_equal(bits(result), bits(kernels.gemm(a, b)))
+
+
+async def test_a_crowd_larger_than_the_work_is_asked_to_spread_its_asks(tmp_path, rng):
+    """Many hosts without work are told to wait longer, together asking about
+    `idle_asks_per_s` times a second, and why; a host given work is no longer idle."""
+    config = CoordinatorConfig(
+        directory=tmp_path, tile=16, policy=Policy.FREIVALDS, no_work_delay=0.25, long_poll=0.0
+    )
+    co = Coordinator(dataclasses.replace(config, idle_asks_per_s=10.0), MemoryStore())
+    await co.start()
+    try:
+        hosts = [
+            (await co.hosts.register(RegisterRequest(f"h{i}", 10.0, 1, 512), time.time()))[0]
+            for i in range(30)
+        ]
+
+        async def ask(host, n: int) -> dict:
+            request = WorkRequest(f"r{host.id}-{n}", 1, (), (), None, False)
+            return msgpack.unpackb(
+                (await co.requests.request_work(host, request, time.time())).body
+            )
+
+        replies = [await ask(host, 0) for host in hosts]
+        assert [r["delay"] for r in replies[:2]] == [0.25, 0.25]  # few idle: soon again
+        assert replies[-1]["delay"] == pytest.approx(
+            3.0, abs=0.01
+        )  # 30 idle hosts, 10 asks a second
+        assert "more volunteers than work" in replies[-1]["note"]
+        assert "note" not in replies[0]
+        pending = asyncio.create_task(co.products.matmul(*operands(rng, 16, 16, 8, False, False)))
+        await wait_until(lambda: co.ledger.unsent)
+        given = await ask(hosts[0], 1)
+        assert given["assignments"] and given["delay"] == 0
+        assert (await ask(hosts[1], 1))["delay"] == pytest.approx(2.9, abs=0.01)  # one less is idle
+        pending.cancel()
+    finally:
+        await co.stop()
+
+
+async def test_an_idle_hosts_ask_does_not_wait_for_a_commit(tmp_path, monkeypatch):
+    """A reply without work promises nothing: it is not held back until the store has
+    committed (10,000 idle hosts would queue behind every commit)."""
+    config = CoordinatorConfig(directory=tmp_path, tile=16, long_poll=0.0)
+    co = Coordinator(config, MemoryStore())
+    await co.start()
+    try:
+        host, _ = await co.hosts.register(RegisterRequest("h", 10.0, 1, 512), time.time())
+        release = asyncio.Event()
+        commit = co.store.commit
+
+        async def stuck_commit(batch):
+            await release.wait()
+            await commit(batch)
+
+        monkeypatch.setattr(co.store, "commit", stuck_commit)
+        co.ledger.put_host(host.evolve(gflops=11.0))
+        stuck = asyncio.create_task(co.ledger.flush())
+        request = WorkRequest("r1", 1, (), (), None, False)
+        answer = await asyncio.wait_for(co.requests.request_work(host, request, time.time()), 10)
+        assert msgpack.unpackb(answer.body)["assignments"] == []
+        assert not stuck.done()
+    finally:
+        release.set()
+        await co.stop()
 
 
 async def test_a_commit_cancelled_half_way_still_lands(tmp_path):

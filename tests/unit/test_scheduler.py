@@ -14,6 +14,7 @@ from coordinator.rules.scheduler import (
     Plan,
     Scheduler,
     SchedulerConfig,
+    idle_delay,
     report_deadline,
     wants_tile,
 )
@@ -670,3 +671,21 @@ def test_without_hash_only_replicas_every_replica_uploads_its_tile():
     ]
 
     assert uploads == [True, True, True]
+
+
+# ---- idle hosts --------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "idle, waited, expected",
+    [
+        (1, 0.0, 0.25),  # a few idle hosts ask again soon
+        (100, 0.0, 0.25),
+        (5_000, 0.0, 10.0),  # together about 500 asks a second
+        (5_000, 2.0, 8.0),  # a long poll's wait counts
+        (5_000, 30.0, 0.25),
+        (100_000, 0.0, 30.0),  # never longer than the cap
+    ],
+)
+def test_many_idle_hosts_are_asked_to_spread_their_asks(idle, waited, expected):
+    assert idle_delay(idle, waited, base=0.25, asks_per_s=500.0, cap=30.0) == expected
