@@ -50,9 +50,6 @@ class IdleHosts:
     def busy(self, host_id: int) -> None:
         self._since.pop(host_id, None)
 
-    def __len__(self) -> int:
-        return len(self._since)
-
 
 @dataclass(frozen=True, slots=True)
 class Answer:

@@ -12,7 +12,8 @@ BOINC's rules and the fixes for what its users complain about:
   with probability 1 - 1/CV, and that tile is always Freivalds-checked;
 - tail acceleration: spare replicas at the end of a GEMM go only to fast, reliable hosts;
 - while other hosts wait for work, a host takes only its share of each product's unsent
-  results (the product was cut for all of them: rules/sizing.py).
+  results (the product was cut for all of them: rules/sizing.py);
+- a crowd larger than the work is asked to spread its asks (idle_delay).
 """
 
 from __future__ import annotations

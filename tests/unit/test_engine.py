@@ -154,24 +154,50 @@ async def test_a_host_never_gets_back_a_tile_it_handed_back(tmp_path, rng):
         await co.stop()
 
 
+async def computed_then_blobs_lost(
+    config: CoordinatorConfig, store: MemoryStore, a: np.ndarray, b: np.ndarray
+) -> np.ndarray:
+    """A @ B computed by a coordinator over `store`, which then stops and loses every blob.
+    Returns the product."""
+    co = Coordinator(config, store)
+    await co.start()
+    stop = asyncio.Event()
+    host = asyncio.create_task(honest_host(co, "h", stop))
+    product = await asyncio.wait_for(co.products.matmul(a, b), 30)
+    stop.set()
+    await host
+    await co.stop()
+    lose_every_blob(config)
+    return product
+
+
+async def published_then_stopped(
+    config: CoordinatorConfig, store: MemoryStore, a: np.ndarray, b: np.ndarray
+) -> None:
+    """A @ B published by a coordinator over `store`, which stops before anyone computes it."""
+    co = Coordinator(config, store)
+    await co.start()
+    pending = asyncio.create_task(co.products.matmul(a, b))
+    await wait_until(lambda: co.ledger.unsent)
+    await co.stop()
+    pending.cancel()
+
+
+def lose_every_blob(config: CoordinatorConfig) -> None:
+    """What a power cut (or a kill) may do to the blob store: blobs are never synced."""
+    for blob in list((config.directory / "blobs").rglob("*")):
+        if blob.is_file():
+            blob.unlink()
+
+
 async def test_blobs_lost_to_a_power_cut_are_stored_or_computed_again(tmp_path, rng):
     """Blobs are not synced: a power cut may take a finished product's tiles and panels while
     the database keeps the product. Asked for again, the product is exact: panels come back
     from the operands, tiles from the kernel."""
     config = CoordinatorConfig(directory=tmp_path, tile=16, policy=Policy.FREIVALDS, seed=1)
     store = MemoryStore()
-    co = Coordinator(config, store)
-    await co.start()
     a, b = operands(rng, 32, 32, 8, False, False)
-    stop = asyncio.Event()
-    host = asyncio.create_task(honest_host(co, "h", stop))
-    first = await asyncio.wait_for(co.products.matmul(a, b), 30)
-    stop.set()
-    await host
-    await co.stop()
-    for blob in list((tmp_path / "blobs").rglob("*")):
-        if blob.is_file():
-            blob.unlink()  # the power cut
+    first = await computed_then_blobs_lost(config, store, a, b)
     again = Coordinator(config, store)
     await again.start()
     try:
@@ -193,19 +219,9 @@ async def test_a_product_made_before_a_kill_keeps_the_panels_it_shares_with_a_ne
         directory=tmp_path, tile=16, policy=Policy.FREIVALDS, seed=1, long_poll=0.05
     )
     store = MemoryStore()
-    co = Coordinator(config, store)
-    await co.start()
     a, b = operands(rng, 32, 32, 8, False, False)
     other, _ = operands(rng, 32, 32, 8, False, False)
-    stop = asyncio.Event()
-    host = asyncio.create_task(honest_host(co, "h", stop))
-    first = await asyncio.wait_for(co.products.matmul(a, b), 30)
-    stop.set()
-    await host
-    await co.stop()
-    for blob in list((tmp_path / "blobs").rglob("*")):
-        if blob.is_file():
-            blob.unlink()  # the kill took every blob
+    first = await computed_then_blobs_lost(config, store, a, b)
     again = Coordinator(config, store)
     await again.start()
     pending = asyncio.create_task(again.products.matmul(other, b))  # shares b's panels
@@ -234,14 +250,9 @@ async def test_a_product_restored_unfinished_keeps_its_panels_for_the_volunteers
         directory=tmp_path, tile=16, policy=Policy.FREIVALDS, seed=1, long_poll=0.05
     )
     store = MemoryStore()
-    co = Coordinator(config, store)
-    await co.start()
     a, b = operands(rng, 32, 32, 8, False, False)
     other, _ = operands(rng, 32, 32, 8, False, False)
-    pending = asyncio.create_task(co.products.matmul(a, b))
-    await wait_until(lambda: co.ledger.unsent)  # published, nobody computing it
-    await co.stop()  # a clean stop writes the panels
-    pending.cancel()
+    await published_then_stopped(config, store, a, b)  # a clean stop writes the panels
     again = Coordinator(config, store)
     await again.start()
     try:
@@ -266,16 +277,9 @@ async def test_an_active_product_whose_blobs_a_power_cut_took_is_run_again(tmp_p
         directory=tmp_path, tile=16, policy=Policy.FREIVALDS, seed=1, long_poll=0.05
     )
     store = MemoryStore()
-    co = Coordinator(config, store)
-    await co.start()
     a, b = operands(rng, 32, 32, 8, False, False)
-    pending = asyncio.create_task(co.products.matmul(a, b))
-    await wait_until(lambda: co.ledger.unsent)  # published, nobody computing it
-    await co.stop()
-    pending.cancel()
-    for blob in list((tmp_path / "blobs").rglob("*")):
-        if blob.is_file():
-            blob.unlink()
+    await published_then_stopped(config, store, a, b)
+    lose_every_blob(config)
     again = Coordinator(config, store)
     await again.start()
     try:
