@@ -148,21 +148,21 @@ async def host_project(
 
 async def tell_volunteers(coordinator: Coordinator, stop: asyncio.Event) -> None:
     """Before exiting, let every volunteer in recent contact hear that the project is
-    finished (they ask at least every FINISH_GRACE seconds), so they stop rather than retry
-    a coordinator that is gone."""
+    finished (they ask at least every FINISH_GRACE seconds, or soon after the longest delay
+    a crowd of idle hosts was given), so they stop rather than retry a coordinator that is
+    gone."""
     since = time.time() - RECENT_CONTACT
-    deadline = time.monotonic() + FINISH_GRACE
     requests = coordinator.requests
+    deadline = max(time.monotonic(), requests.asks_due_by) + FINISH_GRACE
     while requests.untold(since) and time.monotonic() < deadline and not stop.is_set():
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(stop.wait(), timeout=0.1)
     untold = requests.untold(since)
     if untold:
         log.warning(
-            "%d volunteer(s) did not ask again within %.0fs and were not told the project is "
+            "%d volunteer(s) did not ask again in time and were not told the project is "
             "finished: they will find the coordinator gone",
             len(untold),
-            FINISH_GRACE,
         )
     else:
         log.info("told %d volunteer(s) that the project is finished", len(requests.told))

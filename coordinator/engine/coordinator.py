@@ -122,7 +122,7 @@ class Coordinator:
             self.products.drop(gemm, message, time.time())
         for gemm in self.ledger.gemms.values():
             if gemm.state is GemmState.ACTIVE:
-                self.products.hold_panels(gemm)
+                self.products.hold_restored(gemm)
         await self._restore_pause()
         if snapshot.gemms:
             log.info(

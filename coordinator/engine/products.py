@@ -334,13 +334,22 @@ class Products:
         else:
             self.blobs.release(blobs)
 
-    def hold_panels(self, gemm: Gemm) -> None:
-        """Hold the panels of a product restored from the store: volunteers fetch them
-        before the training loop asks for the product, and a new product sharing one must
-        not delete it when it lets go of its own hold."""
-        panels = panel_ids(self.ledger.workunits_for(gemm.id))
-        self.blobs.hold(panels)
-        self.held[gemm.id] += panels
+    def hold_restored(self, gemm: Gemm) -> None:
+        """Hold the panels and reported tiles of a product in flight restored from the
+        store, as when they were stored: volunteers and the validator read them before the
+        training loop asks for the product again, and a new product sharing one (a panel of
+        the same weight, a tile of the same bits) must not delete it when it lets go."""
+        workunits = self.ledger.workunits_for(gemm.id)
+        blobs = panel_ids(workunits) + sorted(
+            {
+                r.output_hash
+                for wu in workunits
+                for r in self.ledger.results_for(wu.id)
+                if r.has_tile
+            }
+        )
+        self.blobs.hold(blobs)
+        self.held[gemm.id] += blobs
 
     def _let_go(self, gemm_id: str) -> None:
         self.blobs.release(self.held.pop(gemm_id, ()))

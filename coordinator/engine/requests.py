@@ -26,29 +26,34 @@ PAUSED_DELAY = 5.0  # seconds a host waits before asking a paused project again
 INLINE_BYTES = 64 << 20  # operand panels sent inside one work reply, at most
 FINISHED_DELAY = 60.0  # an older volunteer that does not know `finished` asks seldom
 FINISHED_NOTE = "the project is finished: every training step is done"
-# An idle host waits at most this long between asks: well inside the minute after which
-# a host no longer counts as connected (engine/waiting.py).
-IDLE_DELAY_CAP = 30.0
+# An idle host asks at most this long after its last ask: inside the 30 s in which a host
+# still counts as part of the crowd (engine/crowd.py) and as idle (IdleHosts).
+IDLE_DELAY_CAP = 25.0
+IDLE_WITHIN = 30.0
 
 
 class IdleHosts:
-    """Hosts answered without work in the last IDLE_DELAY_CAP seconds, oldest first: how
-    many there are spreads their next asks (rules/scheduler.py, idle_delay). A host given
-    work leaves."""
+    """Hosts answered without work in the last IDLE_WITHIN seconds, oldest first: how many
+    there are spreads their next asks (rules/scheduler.py, idle_delay). A host given work
+    leaves."""
 
     def __init__(self) -> None:
         self._since: OrderedDict[int, float] = OrderedDict()
 
-    def idle(self, host_id: int, now: float) -> int:
-        """This host was answered without work at `now`; the number of idle hosts."""
+    def idle(self, host_id: int) -> int:
+        """This host was answered without work just now; the number of idle hosts."""
+        now = time.monotonic()
         self._since.pop(host_id, None)
         self._since[host_id] = now
-        while next(iter(self._since.values())) < now - IDLE_DELAY_CAP:
+        while next(iter(self._since.values())) < now - IDLE_WITHIN:
             self._since.popitem(last=False)
         return len(self._since)
 
     def busy(self, host_id: int) -> None:
         self._since.pop(host_id, None)
+
+    def __len__(self) -> int:
+        return len(self._since)
 
 
 @dataclass(frozen=True, slots=True)
@@ -86,6 +91,9 @@ class WorkRequests:
         self.waiters = Waiters()  # long-polling work requests
         self._replies: dict[int, OrderedDict[str, bytes]] = {}
         self.idle = IdleHosts()
+        # Monotonic time by which every host told to wait has asked again (serve.py waits
+        # that long, at most, for them to hear that the project is finished).
+        self.asks_due_by = 0.0
         self._inflight: dict[tuple[int, str], asyncio.Future] = {}
 
     def signal_work(self) -> None:
@@ -183,17 +191,23 @@ class WorkRequests:
         self.ledger.log(plan.events)
         self.stats["bytes_saved"] += plan.bytes_saved
         assignments = [self._assignment(a.wu, a.result, now) for a in plan.assignments]
-        delay = 0.0
-        if assignments:
-            self.idle.busy(host.id)
+        # A host that computes (or may hold no more) is not idle: it asks again when its
+        # queue runs low, whatever `delay` says.
+        if not assignments and not request.in_progress and plan.room > 0:
+            idle_hosts = self.idle.idle(host.id)
         else:
+            self.idle.busy(host.id)
+            idle_hosts = len(self.idle)
+        delay = 0.0
+        if not assignments:
             delay = idle_delay(
-                self.idle.idle(host.id, now),
+                idle_hosts,
                 time.monotonic() - asked,
                 self.config.no_work_delay,
                 self.config.idle_asks_per_s,
                 IDLE_DELAY_CAP,
             )
+            self.asks_due_by = max(self.asks_due_by, time.monotonic() + delay)
         message = {
             "assignments": assignments,
             "abort": plan.abort,

@@ -91,12 +91,13 @@ def report_deadline(wu: WorkUnit, host: Host, now: float, config: SchedulerConfi
 def idle_delay(idle_hosts: int, waited: float, base: float, asks_per_s: float, cap: float) -> float:
     """Seconds a host answered without work waits before it asks again: at least `base`,
     and long enough that `idle_hosts` such hosts together ask about `asks_per_s` times a
-    second (the time this request already waited in a long poll counts), at most `cap`.
+    second, up to `cap` between two asks (the time this request already waited in a long
+    poll counts).
 
     BOINC's clients back off on their own; a crowd far larger than the work (10,000 hosts
     and a product of 64 tiles) must not spend the coordinator's core, or the network's,
     on asking. New work still goes out at once: `asks_per_s` asks a second find it."""
-    return min(cap, max(base, idle_hosts / asks_per_s - waited))
+    return max(base, min(cap, idle_hosts / asks_per_s) - waited)
 
 
 def quota(host: Host, flops: float, config: SchedulerConfig) -> int:

@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 
 import kernels
+from coordinator.cli import serve
 from coordinator.engine.config import CoordinatorConfig
 from coordinator.engine.coordinator import Coordinator
 from coordinator.state.memory import MemoryStore
@@ -265,9 +266,18 @@ async def test_a_product_restored_unfinished_keeps_its_panels_for_the_volunteers
         (new,) = [g for g in again.ledger.gemms.values() if g.id != restored.id]
         again.products.drop(new, "dropped by the test", time.time())
         assert all(again.blobs.has(p) and not again.blobs.released(p) for p in panels)
+        # Computed at last, the restored product lets go of every hold it took.
+        stop = asyncio.Event()
+        host = asyncio.create_task(honest_host(again, "h", stop))
+        result = await asyncio.wait_for(again.products.matmul(a, b), 30)
+        stop.set()
+        await host
+        assert all(again.blobs.released(p) for p in panels)
+        assert not again.products.held
     finally:
         pending.cancel()
         await again.stop()
+    np.testing.assert_array_equal(bits(result), bits(kernels.gemm(a, b)))
 
 
 async def test_an_active_product_whose_blobs_a_power_cut_took_is_run_again(tmp_path, rng):
@@ -308,8 +318,8 @@ async def test_a_crowd_larger_than_the_work_is_asked_to_spread_its_asks(tmp_path
             for i in range(30)
         ]
 
-        async def ask(host, n: int) -> dict:
-            request = WorkRequest(f"r{host.id}-{n}", 1, (), (), None, False)
+        async def ask(host, n: int, in_progress: tuple[str, ...] = ()) -> dict:
+            request = WorkRequest(f"r{host.id}-{n}", 1, (), in_progress, None, False)
             return msgpack.unpackb(
                 (await co.requests.request_work(host, request, time.time())).body
             )
@@ -325,8 +335,46 @@ async def test_a_crowd_larger_than_the_work_is_asked_to_spread_its_asks(tmp_path
         await wait_until(lambda: co.ledger.unsent)
         given = await ask(hosts[0], 1)
         assert given["assignments"] and given["delay"] == 0
-        assert (await ask(hosts[1], 1))["delay"] == pytest.approx(2.9, abs=0.01)  # one less is idle
+        computing = (given["assignments"][0]["result_id"],)
+        assert not (await ask(hosts[0], 2, computing))["assignments"]  # asks ahead: not idle
+        assert (await ask(hosts[1], 1))["delay"] == pytest.approx(2.9, abs=0.01)  # 29 idle
         pending.cancel()
+    finally:
+        await co.stop()
+
+
+async def test_a_finished_coordinator_waits_for_hosts_it_told_to_wait_long(tmp_path, monkeypatch):
+    """Before it exits, a finished coordinator waits for the hosts in contact to hear it:
+    past its grace when it told a crowd of idle hosts to wait longer than that."""
+    monkeypatch.setattr(serve, "FINISH_GRACE", 1.0)
+    config = CoordinatorConfig(directory=tmp_path, tile=16, no_work_delay=0.25, long_poll=0.0)
+    co = Coordinator(dataclasses.replace(config, idle_asks_per_s=10.0), MemoryStore())
+    await co.start()
+    try:
+        hosts = [
+            (await co.hosts.register(RegisterRequest(f"h{i}", 10.0, 1, 512), time.time()))[0]
+            for i in range(20)
+        ]
+        delays = []
+        for host in hosts:
+            request = WorkRequest(f"r{host.id}", 1, (), (), None, False)
+            answer = await co.requests.request_work(host, request, time.time())
+            delays.append(msgpack.unpackb(answer.body)["delay"])
+        assert delays[-1] == pytest.approx(2.0, abs=0.01)  # 20 idle hosts, 10 asks a second
+        co.requests.finish()
+
+        async def ask_after_its_delay() -> None:  # as the volunteer does
+            await asyncio.sleep(delays[-1])
+            request = WorkRequest("again", 1, (), (), None, False)
+            await co.requests.request_work(hosts[-1], request, time.time())
+
+        asking = asyncio.create_task(ask_after_its_delay())
+        for host in hosts[:-1]:  # the others ask again at once
+            request = WorkRequest(f"again{host.id}", 1, (), (), None, False)
+            await co.requests.request_work(host, request, time.time())
+        await serve.tell_volunteers(co, asyncio.Event())
+        assert hosts[-1].id in co.requests.told  # it waited for the last one
+        await asking
     finally:
         await co.stop()
 
