@@ -304,79 +304,69 @@ async def test_an_active_product_whose_blobs_a_power_cut_took_is_run_again(tmp_p
     np.testing.assert_array_equal(bits(result), bits(kernels.gemm(a, b)))
 
 
-async def test_a_crowd_larger_than_the_work_is_asked_to_spread_its_asks(tmp_path, rng):
-    """Many hosts without work are told to wait longer, together asking about
-    `idle_asks_per_s` times a second, and why; a host given work is no longer idle."""
+@contextlib.asynccontextmanager
+async def crowd(tmp_path, size: int):
+    """A coordinator allowing idle hosts 10 asks a second, and `size` registered hosts;
+    yields it and an `ask(host, tag, in_progress=())` that returns the reply's map."""
     config = CoordinatorConfig(
         directory=tmp_path, tile=16, policy=Policy.FREIVALDS, no_work_delay=0.25, long_poll=0.0
     )
     co = Coordinator(dataclasses.replace(config, idle_asks_per_s=10.0), MemoryStore())
     await co.start()
+
+    async def ask(host, tag: str, in_progress: tuple[str, ...] = ()) -> dict:
+        request = WorkRequest(f"r{host.id}-{tag}", 1, (), in_progress, None, False)
+        return msgpack.unpackb((await co.requests.request_work(host, request, time.time())).body)
+
     try:
+        register = co.hosts.register
         hosts = [
-            (await co.hosts.register(RegisterRequest(f"h{i}", 10.0, 1, 512), time.time()))[0]
-            for i in range(30)
+            (await register(RegisterRequest(f"h{i}", 10.0, 1, 512), time.time()))[0]
+            for i in range(size)
         ]
+        yield co, hosts, ask
+    finally:
+        await co.stop()
 
-        async def ask(host, n: int, in_progress: tuple[str, ...] = ()) -> dict:
-            request = WorkRequest(f"r{host.id}-{n}", 1, (), in_progress, None, False)
-            return msgpack.unpackb(
-                (await co.requests.request_work(host, request, time.time())).body
-            )
 
-        replies = [await ask(host, 0) for host in hosts]
+async def test_a_crowd_larger_than_the_work_is_asked_to_spread_its_asks(tmp_path, rng):
+    """Many hosts without work are told to wait longer, together asking about
+    `idle_asks_per_s` times a second, and why; a host given work is no longer idle."""
+    async with crowd(tmp_path, 30) as (co, hosts, ask):
+        replies = [await ask(host, "first") for host in hosts]
         assert [r["delay"] for r in replies[:2]] == [0.25, 0.25]  # few idle: soon again
-        assert replies[-1]["delay"] == pytest.approx(
-            3.0, abs=0.01
-        )  # 30 idle hosts, 10 asks a second
+        assert replies[-1]["delay"] == pytest.approx(3.0, abs=0.01)  # 30 idle, 10 asks a s
         assert "more volunteers than work" in replies[-1]["note"]
         assert "note" not in replies[0]
         pending = asyncio.create_task(co.products.matmul(*operands(rng, 16, 16, 8, False, False)))
         await wait_until(lambda: co.ledger.unsent)
-        given = await ask(hosts[0], 1)
+        given = await ask(hosts[0], "given")
         assert given["assignments"] and given["delay"] == 0
         computing = (given["assignments"][0]["result_id"],)
-        assert not (await ask(hosts[0], 2, computing))["assignments"]  # asks ahead: not idle
-        assert (await ask(hosts[1], 1))["delay"] == pytest.approx(2.9, abs=0.01)  # 29 idle
+        assert not (await ask(hosts[0], "ahead", computing))["assignments"]  # not idle
+        assert (await ask(hosts[1], "again"))["delay"] == pytest.approx(2.9, abs=0.01)  # 29 idle
         pending.cancel()
-    finally:
-        await co.stop()
 
 
 async def test_a_finished_coordinator_waits_for_hosts_it_told_to_wait_long(tmp_path, monkeypatch):
     """Before it exits, a finished coordinator waits for the hosts in contact to hear it:
     past its grace when it told a crowd of idle hosts to wait longer than that."""
     monkeypatch.setattr(serve, "FINISH_GRACE", 1.0)
-    config = CoordinatorConfig(directory=tmp_path, tile=16, no_work_delay=0.25, long_poll=0.0)
-    co = Coordinator(dataclasses.replace(config, idle_asks_per_s=10.0), MemoryStore())
-    await co.start()
-    try:
-        hosts = [
-            (await co.hosts.register(RegisterRequest(f"h{i}", 10.0, 1, 512), time.time()))[0]
-            for i in range(20)
-        ]
-        delays = []
-        for host in hosts:
-            request = WorkRequest(f"r{host.id}", 1, (), (), None, False)
-            answer = await co.requests.request_work(host, request, time.time())
-            delays.append(msgpack.unpackb(answer.body)["delay"])
+    async with crowd(tmp_path, 20) as (co, hosts, ask):
+        delays = [(await ask(host, "first"))["delay"] for host in hosts]
         assert delays[-1] == pytest.approx(2.0, abs=0.01)  # 20 idle hosts, 10 asks a second
         co.requests.finish()
 
         async def ask_after_its_delay() -> None:  # as the volunteer does
             await asyncio.sleep(delays[-1])
-            request = WorkRequest("again", 1, (), (), None, False)
-            await co.requests.request_work(hosts[-1], request, time.time())
+            await ask(hosts[-1], "again")
 
         asking = asyncio.create_task(ask_after_its_delay())
         for host in hosts[:-1]:  # the others ask again at once
-            request = WorkRequest(f"again{host.id}", 1, (), (), None, False)
-            await co.requests.request_work(host, request, time.time())
+            await ask(host, "again")
         await serve.tell_volunteers(co, asyncio.Event())
         assert hosts[-1].id in co.requests.told  # it waited for the last one
         await asking
-    finally:
-        await co.stop()
 
 
 async def test_an_idle_hosts_ask_does_not_wait_for_a_commit(tmp_path, monkeypatch):
