@@ -253,10 +253,7 @@ class BlobStore:
             ids.append(expected)
         if hold:
             # Before they are stored: a release by another holder meanwhile cannot take them.
-            with self._cond:
-                self._holds.update(ids)
-                for blob in ids:
-                    self._released.pop(blob, None)
+            self.hold(ids)
         try:
             if behind:
                 self._behind(list(zip(ids, (data for data, _ in blobs), strict=True)))
@@ -430,9 +427,10 @@ class BlobStore:
             raise
 
     def hold(self, blobs: Iterable[str]) -> None:
-        """Hold blobs once more, stored yet or not, as `put_many(hold=True)` does: a reader
-        of blobs another holder may let go of (a product made before a restart shares a
-        panel with a new one) holds them before it looks, and releases them when done."""
+        """Hold blobs once more, stored yet or not (`put_many(hold=True)` holds what it
+        stores so): a reader of blobs another holder may let go of (a product made before a
+        restart shares a panel with a new one) holds them before it looks, and releases
+        them when done."""
         with self._cond:
             for blob in blobs:
                 self._holds[blob] += 1
