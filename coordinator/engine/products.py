@@ -21,6 +21,7 @@ import kernels
 from coordinator.engine.config import CoordinatorConfig
 from coordinator.engine.crowd import CrowdWatch
 from coordinator.engine.offload import offload
+from coordinator.engine.operands import OperandIds
 from coordinator.engine.recovery import canonical_tile, panel_ids, panels, restore_panels
 from coordinator.rules import sizing
 from coordinator.state.blobs import BlobStore
@@ -73,7 +74,8 @@ class Products:
 
     A product is named by its content (operands, flags, tile size, step, label), so calling
     matmul again after a coordinator restart finds the tiles already validated and reuses
-    them; many matmul calls may be in flight at once.
+    them; many matmul calls may be in flight at once. Operands that own their memory are
+    made read-only when handed in: their ids are remembered (engine/operands.py).
     """
 
     def __init__(
@@ -92,6 +94,8 @@ class Products:
         self.outputs: dict[str, GemmOutput] = {}
         self.failed_here: set[str] = set()  # GEMMs that failed in this run: not retried
         self.tiles: dict[str, np.ndarray] = {}  # tiles just checked, by hash: no second read
+        # Operands are frozen when hashed, and each array is hashed once (engine/operands.py).
+        self.operand_ids = OperandIds()
         # The blobs each product in memory holds in the blob store (its panels, the tiles
         # reported for it): let go when it is done, so they leave memory with it.
         self.held: dict[str, list[str]] = defaultdict(list)
@@ -120,8 +124,9 @@ class Products:
         k = a.shape[0] if trans_a else a.shape[1]
         if m == 0 or n == 0 or k == 0:
             return kernels.gemm(a, b, trans_a=trans_a, trans_b=trans_b)
-        size = a.nbytes + b.nbytes
-        a_id, b_id = await offload(lambda: (kernels.array_id(a), kernels.array_id(b)), size)
+        ids = self.operand_ids
+        unknown = sum(x.nbytes for x in (a, b) if ids.known(x) is None)
+        a_id, b_id = await offload(lambda: (ids.hash(a), ids.hash(b)), unknown)
         describe = functools.partial(
             gemm_id,
             step=step,
