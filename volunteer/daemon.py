@@ -158,9 +158,11 @@ class Volunteer(PullLoop):
         note = reply.get("note", "")
         self.server_note = note
         if note and note != self._logged_note:
-            # Once per reason, however often the coordinator repeats it between tiles.
+            # Once per reason, however often the coordinator repeats it between tiles. At
+            # INFO: a note says why work waits (paused, finished, too few or too many
+            # volunteers), which is nothing this volunteer did wrong or can mend.
             self._logged_note = note
-            log.warning("coordinator: %s", note)
+            log.info("coordinator: %s", note)
 
     def _forget(self) -> None:
         self.state_dir.identity_file.unlink(missing_ok=True)

@@ -26,12 +26,33 @@ class JsonFormatter(logging.Formatter):
         return json.dumps(line, default=str)
 
 
+def one_line(text: str) -> str:
+    """`text` with every character that is not printable escaped (a newline as `\\n`), so
+    that no message, whatever value from the network it carries, can split its log line or
+    forge another. Backslashes are left alone: a message whose values were already escaped
+    where it was made (the coordinator's `protocol.loggable`) passes unchanged."""
+    if text.isprintable():
+        return text
+    return "".join(
+        c if c.isprintable() else c.encode("unicode_escape").decode("ascii") for c in text
+    )
+
+
+class TextFormatter(logging.Formatter):
+    """time, level and the message, on one line whatever the message holds (values from the
+    network reach messages); a traceback follows on lines of its own."""
+
+    def formatMessage(self, record: logging.LogRecord) -> str:
+        record.message = one_line(record.message)
+        return super().formatMessage(record)
+
+
 def configure(log_format: str = "text", level: int = logging.INFO) -> None:
     handler = logging.StreamHandler()
     if log_format == "json":
         handler.setFormatter(JsonFormatter())
     else:
-        handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(message)s"))
+        handler.setFormatter(TextFormatter("%(asctime)s %(levelname)s %(message)s"))
     root = logging.getLogger()
     root.handlers[:] = [handler]
     root.setLevel(level)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import signal
 import socket
 
@@ -11,6 +12,7 @@ from coordinator.training import project as projects
 from coordinator.work import protocol
 from coordinator.work.protocol import loggable
 from tests.procs import Reaper, first_url, free_port, poll, start_coordinator
+from volunteer.logsetup import TextFormatter
 
 
 @pytest.mark.parametrize(
@@ -28,6 +30,20 @@ from tests.procs import Reaper, first_url, free_port, poll, start_coordinator
 )
 def test_loggable_keeps_a_value_on_one_printable_line(value, logged):
     assert loggable(value) == logged
+
+
+def formatted(*args: object) -> str:
+    record = logging.makeLogRecord({"msg": "coordinator: %s", "args": args, "levelname": "INFO"})
+    return TextFormatter("%(levelname)s %(message)s").format(record)
+
+
+def test_every_text_log_line_stays_one_line_whatever_its_values_hold():
+    # A volunteer logs its coordinator's notes and refusals as they come over the network.
+    assert formatted("paused\n2030-01-01 INFO FORGED\x00") == (
+        "INFO coordinator: paused\\n2030-01-01 INFO FORGED\\x00"
+    )
+    # A value escaped where it was made is not escaped twice.
+    assert formatted(loggable("a\nb")) == "INFO coordinator: a\\nb"
 
 
 def test_a_volunteers_error_text_is_escaped_where_it_is_parsed():
