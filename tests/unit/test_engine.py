@@ -184,6 +184,36 @@ async def published_then_stopped(
     pending.cancel()
 
 
+async def test_replicas_not_yet_sent_are_not_written_and_are_issued_again_after_a_restart(
+    tmp_path, rng
+):
+    """An unsent replica promises nothing to anyone: the store holds a result from the moment
+    it is sent. A coordinator stopped before any was sent comes back, issues the replicas
+    again, and the product has the kernel's bits."""
+    config = CoordinatorConfig(
+        directory=tmp_path, tile=16, policy=Policy.QUORUM, seed=1, long_poll=0.05
+    )
+    store = MemoryStore()
+    a, b = operands(rng, 32, 16, 8, False, False)
+    await published_then_stopped(config, store, a, b)
+    (gemm,) = store.tables["gemms"].values()
+    workunits, results = await store.gemm_work(gemm["id"])
+    assert len(workunits) == 2 and results == []
+    again = Coordinator(config, store)
+    await again.start()
+    stop = asyncio.Event()
+    hosts = [asyncio.create_task(honest_host(again, f"h{i}", stop)) for i in range(2)]
+    try:
+        product = await asyncio.wait_for(again.products.matmul(a, b), 30)
+    finally:
+        stop.set()
+        await asyncio.gather(*hosts)
+        await again.stop()
+    np.testing.assert_array_equal(bits(product), bits(kernels.gemm(a, b)))
+    _, results = await store.gemm_work(gemm["id"])
+    assert len(results) == 4 and all(r.server_state.value == "over" for r in results)
+
+
 def lose_every_blob(config: CoordinatorConfig) -> None:
     """What a power cut (or a kill) may do to the blob store: blobs are never synced."""
     for blob in list((config.directory / "blobs").rglob("*")):
