@@ -38,7 +38,6 @@ class Ledger:
         self.gemms: dict[str, Gemm] = {}
         self.wus: dict[str, WorkUnit] = {}
         self.results: dict[str, Result] = {}
-        self.stored_results: set[str] = set()  # results written (or queued) at least once
         self.hosts: dict[int, Host] = {}
         self.results_of: dict[str, dict[str, None]] = defaultdict(dict)
         self.wus_of: dict[str, dict[str, None]] = defaultdict(dict)
@@ -135,13 +134,12 @@ class Ledger:
                 )
         self.results[result.id] = result
         self._index(result)
-        if result.server_state is ServerState.UNSENT and result.id not in self.stored_results:
+        if result.server_state is ServerState.UNSENT:
             # A replica not yet sent promises nothing to anyone: it is written when it is
-            # sent (or ends unsent). After a restart the transitioner issues the replicas a
-            # work unit lacks again, so nothing is lost, and a work unit's life is one row
-            # in nine shorter (docs/architecture.md, Durability).
+            # sent (or ends unsent; no result goes back to unsent). After a restart the
+            # transitioner issues the replicas a work unit lacks again, so nothing is lost,
+            # and a work unit's life is one row in nine shorter (docs/architecture.md).
             return
-        self.stored_results.add(result.id)
         self._batch.results[result.id] = result
         self._queued()
 
@@ -193,7 +191,6 @@ class Ledger:
         for wu_id in list(self.wus_of.pop(gemm_id, ())):
             for result_id in list(self.results_of.pop(wu_id, ())):
                 result = self.results.pop(result_id)
-                self.stored_results.discard(result_id)
                 self._unindex(result)
             self.hosts_of_wu.pop(wu_id, None)
             self.wus.pop(wu_id, None)
@@ -219,7 +216,6 @@ class Ledger:
             self._schedule(wu)
         for result in snapshot.results:
             self.results[result.id] = result
-            self.stored_results.add(result.id)
             self._index(result)
 
     # ---- committing ----------------------------------------------------------------------
