@@ -6,10 +6,11 @@ shared `QueryStore` turns them into records the same way for both drivers."""
 from __future__ import annotations
 
 import copy
+import enum
 from collections import Counter
 from typing import Any
 
-from coordinator.state.queries import QueryStore, Row
+from coordinator.state.queries import WRITES, Params, QueryStore, Row, columns
 
 # The columns an upsert may change on a row that exists (the rest are fixed at insert), as
 # the ON CONFLICT clauses of queries.sql list them.
@@ -83,12 +84,13 @@ class MemoryStore(QueryStore):
     async def _execute(self, name: str, **values: Any) -> None:
         getattr(self, f"{name}_run")(**values)
 
-    async def _transaction(self, statements: list[tuple[str, list[dict[str, Any]]]]) -> None:
+    async def _transaction(self, statements: list[tuple[str, list[Params]]]) -> None:
         saved = copy.deepcopy(self.tables)
         try:
             for name, rows in statements:
+                run = getattr(self, f"{name}_run")
                 for row in rows:
-                    getattr(self, f"{name}_run")(**row)
+                    run(**(_as_stored(name, row) if name in WRITES else row))
         except BaseException:
             self.tables = saved  # all of the batch or none of it
             raise
@@ -262,6 +264,19 @@ class MemoryStore(QueryStore):
         rows = self.tables[table]
         for key in [k for k, row in rows.items() if doomed(row)]:
             del rows[key]
+
+
+def _as_stored(name: str, values: tuple) -> dict[str, Any]:
+    """A record's row of values as SQLite stores it: enums as their text, bools as integers."""
+    row = dict(zip(columns(WRITES[name]), values, strict=True))
+    for key, value in row.items():
+        if isinstance(value, bool):
+            row[key] = int(value)
+        elif isinstance(value, enum.Enum):
+            row[key] = value.value
+    if name == "insert_event":
+        del row["id"]  # the store numbers events
+    return row
 
 
 def _through(event: dict[str, Any], step: int) -> bool:

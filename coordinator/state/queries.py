@@ -10,16 +10,14 @@ from __future__ import annotations
 
 import abc
 import dataclasses
-import enum
 import functools
 import operator
 import re
-import typing
 from collections.abc import Callable, Mapping
 from importlib import resources
 from typing import Any
 
-from coordinator.state.store import Batch, Snapshot, Store
+from coordinator.state.store import Batch, Reply, Snapshot, Store
 from coordinator.work.events import Event
 from coordinator.work.records import (
     Gemm,
@@ -35,6 +33,7 @@ from coordinator.work.records import (
 )
 
 Row = Mapping[str, Any]
+Params = Mapping[str, Any] | tuple
 
 
 def load_queries() -> dict[str, str]:
@@ -44,31 +43,36 @@ def load_queries() -> dict[str, str]:
     return {name: sql.strip() for name, sql in zip(blocks[1::2], blocks[2::2], strict=True)}
 
 
+# The statement that writes each kind of record. Its values are the record's fields in order,
+# as numbered parameters (?1, ?2, ...), so a record becomes a row in one C call.
+WRITES: dict[str, type] = {
+    "upsert_gemm": Gemm,
+    "upsert_host": Host,
+    "upsert_workunit": WorkUnit,
+    "upsert_result": Result,
+    "insert_event": Event,
+    "insert_reply": Reply,
+}
+
+
 @functools.cache
-def _layout(cls: type) -> tuple[tuple[str, ...], Callable[[Any], tuple], tuple[str, ...]]:
-    """A record class's field names, a getter of all its values at once, and the fields
-    that may hold an enum or a bool (by their annotations): the rest pass as they are."""
-    names = tuple(f.name for f in dataclasses.fields(cls))
-    hints = typing.get_type_hints(cls)
-    plain = {str, int, float, bytes, str | None, int | None, float | None}
-    converted = tuple(name for name in names if hints[name] not in plain)
-    return names, operator.attrgetter(*names), converted
+def columns(record_type: type) -> tuple[str, ...]:
+    """A record type's field names: the order of its values in a row."""
+    return tuple(f.name for f in dataclasses.fields(record_type))
 
 
-def params(record: Any) -> dict[str, Any]:
-    """A record as query parameters: enums as their values, bools as integers.
+@functools.cache
+def _getter(record_type: type) -> Callable[[Any], tuple]:
+    return operator.attrgetter(*columns(record_type))
 
-    A commit turns every changed record into a row (several a result), so this is on the
-    hot path: the values are read in one C call, and only typed fields are looked at."""
-    names, values, converted = _layout(type(record))
-    row = dict(zip(names, values(record), strict=True))
-    for name in converted:
-        value = row[name]
-        if value.__class__ is bool:
-            row[name] = int(value)
-        elif isinstance(value, enum.Enum):
-            row[name] = value._value_  # .value is a descriptor, several times slower
-    return row
+
+def values(record: Any) -> tuple:
+    """A record as a row of query values, in its fields' order.
+
+    A commit turns every changed record into a row (several a work unit), so this is on the
+    hot path: one C call, no dict. Enums and bools pass as they are: the records' enums are
+    StrEnums, and sqlite3 binds a subclass of str as text and a bool as an integer."""
+    return _getter(type(record))(record)
 
 
 def to_gemm(row: Row) -> Gemm:
@@ -124,20 +128,21 @@ class QueryStore(Store):
         """Run a named statement on its own (committed at once)."""
 
     @abc.abstractmethod
-    async def _transaction(self, statements: list[tuple[str, list[dict[str, Any]]]]) -> None:
-        """Run (name, rows) statements, each once per row, in one transaction."""
+    async def _transaction(self, statements: list[tuple[str, list[Params]]]) -> None:
+        """Run (name, rows) statements, each once per row, in one transaction. A row is a
+        record's `values` for the statements of WRITES, named values for the rest."""
 
     async def commit(self, batch: Batch) -> None:
         if not batch:
             return
         # Parents before children, for the foreign keys.
         statements = [
-            ("upsert_gemm", [params(g) for g in batch.gemms.values()]),
-            ("upsert_host", [params(h) for h in batch.hosts.values()]),
-            ("upsert_workunit", [params(w) for w in batch.workunits.values()]),
-            ("upsert_result", [params(r) for r in batch.results.values()]),
-            ("insert_event", [_without_id(params(e)) for e in batch.events]),
-            ("insert_reply", [params(r) for r in batch.replies]),
+            ("upsert_gemm", [values(g) for g in batch.gemms.values()]),
+            ("upsert_host", [values(h) for h in batch.hosts.values()]),
+            ("upsert_workunit", [values(w) for w in batch.workunits.values()]),
+            ("upsert_result", [values(r) for r in batch.results.values()]),
+            ("insert_event", [values(e) for e in batch.events]),  # the store numbers them
+            ("insert_reply", [values(r) for r in batch.replies]),
         ]
         await self._transaction([(name, rows) for name, rows in statements if rows])
 
@@ -238,8 +243,3 @@ class QueryStore(Store):
 
     async def invalid_count(self) -> int:
         return (await self._query("count_invalid_results"))[0]["n"]
-
-
-def _without_id(row: dict[str, Any]) -> dict[str, Any]:
-    del row["id"]  # the store numbers events
-    return row

@@ -2,21 +2,22 @@
 -- store (sqlite.py) writes and reads through them; the read-only ProjectReader (reader.py)
 -- that `tilehive logs`, `status` and the demo summary use reads through the ones below
 -- "Read-only queries", and through a few of the store's.
+--
+-- The writes below take a record's fields in order as numbered parameters (?1 is the first
+-- field): queries.py's WRITES names the record of each, and a test holds every column to
+-- its field.
 
 -- name: upsert_gemm
-INSERT INTO gemms (id, step, label, m, n, k, trans_a, trans_b, tile, a_id, b_id, policy,
-                   state, error, created)
-VALUES (:id, :step, :label, :m, :n, :k, :trans_a, :trans_b, :tile, :a_id, :b_id, :policy,
-        :state, :error, :created)
+INSERT INTO gemms (id, step, label, m, n, k, trans_a, trans_b, tile, a_id, b_id, policy, state,
+                   error, created)
+VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?11, ?12, ?13, ?14, ?15)
 ON CONFLICT(id) DO UPDATE SET state = excluded.state, error = excluded.error;
 
 -- name: upsert_host
 INSERT INTO hosts (id, name, token_hash, created, last_contact, gflops, threads, max_memory_mb,
                    consecutive_valid, valid_count, invalid_count, error_count, max_in_progress,
                    quarantined)
-VALUES (:id, :name, :token_hash, :created, :last_contact, :gflops, :threads, :max_memory_mb,
-        :consecutive_valid, :valid_count, :invalid_count, :error_count, :max_in_progress,
-        :quarantined)
+VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?11, ?12, ?13, ?14)
 ON CONFLICT(id) DO UPDATE SET
     name = excluded.name, last_contact = excluded.last_contact, gflops = excluded.gflops,
     threads = excluded.threads, max_memory_mb = excluded.max_memory_mb,
@@ -25,14 +26,13 @@ ON CONFLICT(id) DO UPDATE SET
     max_in_progress = excluded.max_in_progress, quarantined = excluded.quarantined;
 
 -- name: upsert_workunit
-INSERT INTO workunits (id, gemm_id, step, i0, i1, j0, j1, k, a_panel, b_panel, trans_a, trans_b,
-                       kernel_version, policy, target_nresults, min_quorum, max_error_results,
-                       max_total_results, delay_bound, state, canonical_result, canonical_hash,
-                       error_mask, transition_time, accelerated, created)
-VALUES (:id, :gemm_id, :step, :i0, :i1, :j0, :j1, :k, :a_panel, :b_panel, :trans_a, :trans_b,
-        :kernel_version, :policy, :target_nresults, :min_quorum, :max_error_results,
-        :max_total_results, :delay_bound, :state, :canonical_result, :canonical_hash,
-        :error_mask, :transition_time, :accelerated, :created)
+INSERT INTO workunits (id, gemm_id, step, i0, i1, j0, j1, k, a_panel, b_panel, trans_a,
+                       trans_b, kernel_version, policy, target_nresults, min_quorum,
+                       max_error_results, max_total_results, delay_bound, state,
+                       canonical_result, canonical_hash, error_mask, transition_time,
+                       accelerated, created)
+VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?11, ?12, ?13, ?14, ?15, ?16, ?17, ?18, ?19,
+        ?20, ?21, ?22, ?23, ?24, ?25, ?26)
 ON CONFLICT(id) DO UPDATE SET
     target_nresults = excluded.target_nresults, min_quorum = excluded.min_quorum,
     state = excluded.state,
@@ -43,8 +43,7 @@ ON CONFLICT(id) DO UPDATE SET
 -- name: upsert_result
 INSERT INTO results (id, wu_id, host_id, server_state, outcome, validate_state, upload_tile,
                      sent_time, received_time, report_deadline, output_hash, has_tile, error)
-VALUES (:id, :wu_id, :host_id, :server_state, :outcome, :validate_state, :upload_tile,
-        :sent_time, :received_time, :report_deadline, :output_hash, :has_tile, :error)
+VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?11, ?12, ?13)
 ON CONFLICT(id) DO UPDATE SET
     host_id = excluded.host_id, server_state = excluded.server_state,
     outcome = excluded.outcome, validate_state = excluded.validate_state,
@@ -53,12 +52,13 @@ ON CONFLICT(id) DO UPDATE SET
     output_hash = excluded.output_hash, has_tile = excluded.has_tile, error = excluded.error;
 
 -- name: insert_event
-INSERT INTO events (time, kind, step, gemm_id, wu_id, result_id, host_id, state, message, data)
-VALUES (:time, :kind, :step, :gemm_id, :wu_id, :result_id, :host_id, :state, :message, :data);
+-- ?10 is the event's id: the store numbers events, so it is not inserted.
+INSERT INTO events (time, kind, state, message, step, gemm_id, wu_id, result_id, host_id, data)
+VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?11);
 
 -- name: insert_reply
 INSERT OR REPLACE INTO work_replies (host_id, request_id, time, body)
-VALUES (:host_id, :request_id, :time, :body);
+VALUES (?1, ?2, ?3, ?4);
 
 -- name: prune_replies
 -- Older than :before, or past each host's :keep newest.

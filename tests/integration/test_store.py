@@ -8,6 +8,8 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import inspect
+import re
+import sqlite3
 
 import pytest
 
@@ -213,6 +215,41 @@ def test_the_memory_store_answers_every_query_the_store_sends_and_no_other():
     }
     assert answered == sent
     assert sent | read == set(load_queries())  # no named query is left unused
+
+
+def test_every_write_binds_each_column_to_its_records_field():
+    """A write's values are a record's fields in order (queries.values), so the column list
+    and the numbered parameters of each write must name the same field, one by one."""
+    sql = load_queries()
+    for name, record_type in queries.WRITES.items():
+        found = re.search(r"INTO \w+ \((.*?)\)\s*VALUES \((.*?)\)", sql[name], re.S)
+        assert found, name
+        cols = [c.strip() for c in found.group(1).split(",")]
+        numbers = [int(p.strip().removeprefix("?")) for p in found.group(2).split(",")]
+        fields = queries.columns(record_type)
+        assert [fields[n - 1] for n in numbers] == cols, name
+        unbound = set(fields) - set(cols)
+        assert unbound <= {"id"} and (not unbound or record_type is Event), name
+
+
+async def test_sqlite_stores_enums_as_text_and_flags_as_integers(tmp_path):
+    """Records pass their StrEnums and bools to SQLite as they are; what lands must be the
+    plain text and integers that the read-only reader and other tools query."""
+    store = SqliteStore(tmp_path / "state.db")
+    await store.open()
+    gemm, host, wu, result = records()
+    await store.commit(Batch({gemm.id: gemm}, {wu.id: wu}, {result.id: result}, {1: host}))
+    await store.close()
+    db = sqlite3.connect(tmp_path / "state.db")
+    row = db.execute(
+        "SELECT typeof(policy), policy, typeof(trans_b), trans_b, state FROM workunits"
+    ).fetchone()
+    assert row == ("text", "both", "integer", 1, "active")
+    assert db.execute("SELECT upload_tile, server_state FROM results").fetchone() == (
+        1,
+        "unsent",
+    )
+    db.close()
 
 
 async def test_a_stream_of_commits_keeps_the_wal_bounded(tmp_path, monkeypatch):
