@@ -28,7 +28,7 @@ from importlib import resources
 from pathlib import Path
 from typing import Any, TypeVar
 
-from coordinator.state.queries import QueryStore, load_queries
+from coordinator.state.queries import Params, QueryStore, load_queries
 
 log = logging.getLogger(__name__)
 
@@ -168,7 +168,7 @@ class SqliteStore(QueryStore):
         sql = self._sql[name]
         await self._run(lambda db: db.execute(sql, values).close())
 
-    async def _transaction(self, statements: list[tuple[str, list[dict[str, Any]]]]) -> None:
+    async def _transaction(self, statements: list[tuple[str, list[Params]]]) -> None:
         named = [(self._sql[name], rows) for name, rows in statements]
         light = all(name in LIGHT_WRITES for name, _ in statements) and (
             sum(len(rows) for _, rows in statements) <= LIGHT_ROWS
