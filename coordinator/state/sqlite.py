@@ -61,6 +61,8 @@ LIGHT_WRITES = frozenset(
 )
 LIGHT_ROWS = 256
 
+PAGE_CACHE_KIB = 64 << 10  # SQLite's page cache for the coordinator's connection
+
 CHECKPOINT_EVERY = 0.5  # seconds between checkpoints of the WAL into the database file
 # Pages in the WAL at which a commit would checkpoint by itself, on the loop: only if the
 # store's thread were stuck (SQLite's default is 1,000: several times a tiny-gpt step).
@@ -116,6 +118,10 @@ class SqliteStore(QueryStore):
         db.row_factory = sqlite3.Row
         db.execute("PRAGMA journal_mode=WAL")
         db.execute("PRAGMA synchronous=NORMAL")
+        # Work units and results are keyed by random hashes, so each commit writes pages all
+        # over their indexes: SQLite's default cache (2 MB) rereads most of them, 64 MB holds
+        # those of tens of thousands of work units (docs/performance.md, ninth round).
+        db.execute(f"PRAGMA cache_size=-{PAGE_CACHE_KIB}")
         db.execute("PRAGMA foreign_keys=ON")
         db.execute(f"PRAGMA wal_autocheckpoint={BACKSTOP_PAGES}")  # _checkpoint_every's job
         return db
