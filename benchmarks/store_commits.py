@@ -199,6 +199,8 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--per-commit", type=int, default=4, help="work units a commit moves on")
     args = parser.parse_args()
+    if min(args.workunits, args.rounds, args.per_commit) < 1:
+        parser.error("--workunits, --rounds and --per-commit must be at least 1")
     figures = measure(args.workunits, args.rounds, args.per_commit)
     today = figures["today's store"]["total"]
     print(f"(today's store: a page cache of {PAGE_CACHE_KIB >> 10} MB, no events_wu index)")
