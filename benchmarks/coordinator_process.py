@@ -29,6 +29,7 @@ sys.path.insert(0, os.path.dirname(_HERE))
 import numpy as np  # noqa: E402
 from aiohttp import web  # noqa: E402
 
+from coordinator.cli.serve import tune_interpreter  # noqa: E402
 from coordinator.engine.coordinator import Coordinator, CoordinatorConfig  # noqa: E402
 from coordinator.rules.access import AccessConfig  # noqa: E402
 from coordinator.server.api import serve  # noqa: E402
@@ -148,6 +149,7 @@ def main() -> None:
     args = parser.parse_args()
     if args.cpu is not None:
         os.sched_setaffinity(0, {args.cpu})
+    tune_interpreter()  # as a coordinator's process runs
     profiler = cProfile.Profile() if args.profile else None
     if profiler:
         profiler.enable()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import logging
 import os
 import signal
@@ -28,6 +29,13 @@ from coordinator.training.trainer import StepReport, Trainer
 log = logging.getLogger(__name__)
 
 SWITCH_INTERVAL = 0.0005  # seconds a thread may hold the GIL while another waits
+# The cyclic garbage collector runs when this many more container objects are alive than at
+# its last pass (Python's default is 700), and looks at older objects every 20 passes. The
+# coordinator's records, requests and reports are freed by reference counting: a run of the
+# throughput benchmark leaves about 2,000 objects of cyclic garbage, none of them arrays. At
+# the default the collector made 1,700 passes in that run, about 9% of the coordinator's CPU,
+# and a full pass stalled the server's loop for about 45 ms (docs/performance.md, tenth round).
+GC_THRESHOLDS = (50_000, 20, 20)
 FINISH_GRACE = 15.0  # seconds a finished coordinator waits for its volunteers to hear it
 RECENT_CONTACT = 30.0  # volunteers in contact this recently are told before it exits
 
@@ -100,6 +108,15 @@ class Interrupts:
             self._main.cancel()
 
 
+def tune_interpreter() -> None:
+    """Set the GIL's switch interval and the garbage collector for a coordinator process."""
+    # The training thread computes while this one serves: every time the server's loop
+    # waits on a socket it must win the GIL back, and at Python's default 5 ms a request
+    # of a dozen such waits takes tens of milliseconds (the convoy effect).
+    sys.setswitchinterval(SWITCH_INTERVAL)
+    gc.set_threshold(*GC_THRESHOLDS)
+
+
 async def host_project(
     project: Project,
     bind_host: str,
@@ -110,10 +127,7 @@ async def host_project(
     """Serve and train until the project's steps are done; returns the exit code. Raises
     ProjectBusy (another process runs the project), DamagedState (state.db cannot be read)
     or CannotListen (the bind failed), each with a message for the operator."""
-    # The training thread computes while this one serves: every time the server's loop
-    # waits on a socket it must win the GIL back, and at Python's default 5 ms a request
-    # of a dozen such waits takes tens of milliseconds (the convoy effect).
-    sys.setswitchinterval(SWITCH_INTERVAL)
+    tune_interpreter()
     interrupts = Interrupts()
     try:
         with ProjectLock(project.directory) as lock:
