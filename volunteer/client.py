@@ -236,10 +236,16 @@ async def read_into(stream: aiohttp.StreamReader, size: int) -> bytearray:
 
 
 def compute_tile(
-    assignment: dict[str, Any], a_blob: bytes, b_blob: bytes, *, threads: int = 1
-) -> tuple[str, memoryview]:
+    assignment: dict[str, Any],
+    a_blob: bytes,
+    b_blob: bytes,
+    *,
+    threads: int = 1,
+    hashed: bool = True,
+) -> tuple[str | None, memoryview]:
     """The output tile of an assignment as (hash, blob), from verified operand blobs; the
-    kernel writes the tile into its blob."""
+    kernel writes the tile into its blob. Without `hashed` the hash is None: a tile that is
+    uploaded is hashed by the coordinator, and hashing it here too would only delay it."""
     a = kernels.decode_array(a_blob)
     b = kernels.decode_array(b_blob)
     m, n, k = assignment["m"], assignment["n"], assignment["k"]
@@ -260,4 +266,4 @@ def compute_tile(
         out=c,
         threads=threads,
     )
-    return kernels.blob_id(blob), blob
+    return (kernels.blob_id(blob) if hashed else None), blob

@@ -179,7 +179,12 @@ class Volunteer(PullLoop):
     ) -> tuple[str, bytes, float]:
         started = time.perf_counter()
         output_hash, tile = await asyncio.to_thread(
-            compute_tile, assignment, a, b, threads=self.config.threads
+            compute_tile,
+            assignment,
+            a,
+            b,
+            threads=self.config.threads,
+            hashed=assignment["upload"] != "tile",
         )
         return output_hash, tile, time.perf_counter() - started
 

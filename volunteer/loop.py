@@ -153,11 +153,14 @@ class PullLoop(CoordinatorSession):
 
     async def _kernel(
         self, assignment: dict[str, Any], a: bytes, b: bytes
-    ) -> tuple[str, bytes, float]:
-        """The tile as (hash, blob, seconds it took); ValueError if the operands do not fit."""
+    ) -> tuple[str | None, bytes, float]:
+        """The tile as (hash, blob, seconds it took); ValueError if the operands do not fit.
+        The hash may be None when the tile is uploaded (the coordinator hashes it)."""
         raise NotImplementedError
 
-    def _outcome(self, assignment: dict[str, Any], output_hash: str, tile: bytes) -> dict | None:
+    def _outcome(
+        self, assignment: dict[str, Any], output_hash: str | None, tile: bytes
+    ) -> dict | None:
         """The report's fields for a computed tile (the truth, unless a backend lies);
         None keeps the result unreported."""
         return {"hash": output_hash, "tile": tile}
@@ -445,7 +448,7 @@ class PullLoop(CoordinatorSession):
         self.queue.appendleft(Job(job.assignment, job.deadline, retry))
 
     def report_of(
-        self, assignment: dict[str, Any], output_hash: str, tile: bytes, seconds: float
+        self, assignment: dict[str, Any], output_hash: str | None, tile: bytes, seconds: float
     ) -> dict[str, Any] | None:
         """The report on a computed tile, as `_outcome` would have it (None: no report)."""
         fields = self._outcome(assignment, output_hash, tile)
@@ -455,7 +458,9 @@ class PullLoop(CoordinatorSession):
         if "error" in fields:
             report["error"] = fields["error"]
             return report
-        report.update(hash=fields["hash"], seconds=seconds)
+        report["seconds"] = seconds
+        if fields["hash"] is not None:
+            report["hash"] = fields["hash"]
         if assignment["upload"] == "tile":
             report["tile"] = fields["tile"]
         return report
@@ -489,7 +494,9 @@ class PullLoop(CoordinatorSession):
         else:
             accepted = set(reply.get("accepted", []))
             self.stats.reported += sum(
-                1 for r in batch if r["result_id"] in accepted and "hash" in r
+                1
+                for r in batch
+                if r["result_id"] in accepted and "error" not in r and "abandoned" not in r
             )
             self.stats.late += len(reply.get("late", []))
             self.stats.duplicate += len(reply.get("duplicate", []))

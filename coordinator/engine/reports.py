@@ -128,25 +128,24 @@ class Reports:
         finished += unknown
         # Every tile is checked, then stored, before any report is applied: when the blob
         # store fails, the whole report is refused and none of it is half-done.
-        fresh = [
-            (entry.output_hash, tile, wu.gemm_id)
-            for entry, result, wu, tile in checked
-            if tile is not None and not self._reported(result)  # a replay stores nothing
-        ]
+        uploads = [(e, result, wu, tile) for e, result, wu, tile in checked if tile is not None]
+        fresh = [u for u in uploads if not self._reported(u[1])]  # a replay stores nothing
+        hashes: dict[str, str] = {}  # result id -> the hash of its tile, as received
 
         def check_and_store() -> None:
-            for entry, _, wu, tile in checked:
-                if tile is not None:
-                    self._check_tile(wu, entry.result_id, entry.output_hash, tile)
-            self._store_tiles(fresh)
+            for entry, _, wu, tile in uploads:
+                hashes[entry.result_id] = self._check_tile(
+                    wu, entry.result_id, entry.output_hash, tile
+                )
+            self._store_tiles([(hashes[entry.result_id], tile) for entry, _, _, tile in fresh])
 
-        size = sum(len(tile) for _, _, _, tile in checked if tile is not None)
-        await offload(check_and_store, size)
-        for output_hash, _, gemm_id in fresh:
-            self.hold(gemm_id, [output_hash])
+        await offload(check_and_store, sum(len(tile) for *_, tile in uploads))
+        for entry, _, wu, _ in fresh:
+            self.hold(wu.gemm_id, [hashes[entry.result_id]])
         summary: dict[str, list[str]] = {"accepted": [], "late": finished, "duplicate": []}
         for entry, result, wu, tile in checked:
-            verdict = self._apply(host, entry, result, wu, tile is not None, now)
+            output_hash = hashes.get(entry.result_id, entry.output_hash)
+            verdict = self._apply(host, entry, result, wu, output_hash, tile is not None, now)
             summary[verdict].append(entry.result_id)
         self.ledger.put_host(self.ledger.hosts[host.id].evolve(last_contact=now))
         if request.work is None:
@@ -160,12 +159,11 @@ class Reports:
         current = self.ledger.results.get(result.id, result)
         return current.outcome in (Outcome.SUCCESS, Outcome.CLIENT_ERROR)
 
-    def _store_tiles(self, tiles: list[tuple[str, bytes, str]]) -> None:
-        # Checked against their hashes at the edge (_check_tile): each is hashed once. Kept
-        # in memory for the validator, which reads them next, and held until the product
-        # is done.
+    def _store_tiles(self, tiles: list[tuple[str, bytes]]) -> None:
+        # Hashed at the edge (_check_tile): each is hashed once. Kept in memory for the
+        # validator, which reads them next, and held until the product is done.
         try:
-            pairs = [(tile, h) for h, tile, _ in tiles]
+            pairs = [(tile, h) for h, tile in tiles]
             self.blobs.put_many(pairs, keep=True, verified=True, behind=True, hold=True)
         except OSError as exc:  # the blob writer has logged it, once
             raise StorageUnavailable(
@@ -174,12 +172,17 @@ class Reports:
                 retry_after=STORAGE_RETRY,
             ) from exc
 
-    def _check_tile(self, wu: WorkUnit, result_id: str, claimed: str, tile: bytes) -> bytes:
+    def _check_tile(self, wu: WorkUnit, result_id: str, claimed: str | None, tile: bytes) -> str:
+        """The tile's hash (the one its host claimed, if it claimed one); BadRequest unless
+        the tile is a float32 array of the work unit's shape with that hash."""
         m, n, _ = wu.shape
         if len(tile) > self.config.max_blob_bytes:
             raise BadRequest(f"result {result_id}: tile of {len(tile)} bytes is over the limit")
         try:
-            kernels.verify_blob(tile, claimed)
+            if claimed is None:
+                claimed = kernels.blob_id(tile)
+            else:
+                kernels.verify_blob(tile, claimed)
             array = kernels.decode_array(tile)
         except ValueError as exc:
             raise BadRequest(f"result {result_id}: {exc}") from exc
@@ -188,10 +191,17 @@ class Reports:
                 f"result {result_id}: tile must be float32 of shape {(m, n)}, "
                 f"got {array.dtype} {array.shape}"
             )
-        return tile
+        return claimed
 
     def _apply(
-        self, host: Host, entry: ResultReport, result: Result, wu: WorkUnit, has_tile: bool, now
+        self,
+        host: Host,
+        entry: ResultReport,
+        result: Result,
+        wu: WorkUnit,
+        output_hash: str | None,
+        has_tile: bool,
+        now: float,
     ) -> str:
         # Re-read: a deadline or a concurrent retry of this report may have changed it since,
         # or its GEMM finished and left memory while the tiles were being stored.
@@ -220,7 +230,7 @@ class Reports:
             self.ledger.put_result(
                 result.evolve(
                     outcome=Outcome.SUCCESS,
-                    output_hash=entry.output_hash,
+                    output_hash=output_hash,
                     has_tile=has_tile,
                     **over,
                 )
@@ -230,7 +240,7 @@ class Reports:
                 moved = sizing.tile_bytes(*wu.shape, upload=has_tile)
                 self.crowd.observe(now - result.sent_time, entry.seconds, moved)
             what = "tile" if has_tile else "hash"
-            message = f"{what} {entry.output_hash[:16]} in {entry.seconds:.2f}s"
+            message = f"{what} {output_hash[:16]} in {entry.seconds:.2f}s"
             state, message = "success", ("late " if late else "") + message
             self.arrived(wu.id)
         self.metrics.labelled(self.metrics.results, state).inc()

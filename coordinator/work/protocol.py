@@ -279,7 +279,9 @@ def parse_work_request(message: dict[str, Any]) -> WorkRequest:
 @dataclass(frozen=True, slots=True)
 class ResultReport:
     result_id: str
-    output_hash: str | None  # None when the host reports an error
+    # The blake3 of the tile: None when the host reports an error, and may be None with the
+    # tile (the coordinator names the tile by its own hash of the bytes).
+    output_hash: str | None
     tile: bytes | memoryview | None  # the tile blob, when the assignment asked for it
     error: str | None
     seconds: float
@@ -335,6 +337,8 @@ def _parse_one_report(entry: dict[str, Any]) -> ResultReport:
             raise BadRequest("an error report carries no hash or tile")
         # Escaped here, once: the text goes into log lines and the event log as it is.
         return ResultReport(result_id, None, None, loggable(error[:MAX_ERROR_TEXT]), seconds)
-    if output_hash is None or not is_blob_id(output_hash):
+    # With the tile, the hash may be left out: the coordinator hashes the bytes anyway, and
+    # a host's own hash of a tile it uploads would only be checked against them.
+    if (output_hash is not None or tile is None) and not is_blob_id(output_hash):
         raise BadRequest("field 'hash' must be the 64-hex-digit blake3 of the tile blob")
     return ResultReport(result_id, output_hash, tile, None, seconds)

@@ -399,3 +399,23 @@ def test_a_daemon_with_a_relative_state_dir_starts_and_stops(tmp_path):
         assert (tmp_path / "v" / "volunteer.log").exists()
     finally:
         subprocess.run([*command, "stop", "--state-dir", "v"], cwd=tmp_path, env=env, timeout=60)
+
+
+async def test_the_daemon_hashes_only_the_tiles_it_does_not_upload(tmp_path):
+    # An uploaded tile is named by the coordinator's hash of the bytes it receives: hashing
+    # it here as well would only hold the report back. A hash-only replica sends its hash.
+    from volunteer.daemon import Volunteer, VolunteerConfig
+
+    daemon = Volunteer(VolunteerConfig(url="http://127.0.0.1:9", state_dir=tmp_path, threads=1))
+    rng = np.random.default_rng(0)
+    a, b = rng.standard_normal((8, 4), np.float32), rng.standard_normal((4, 8), np.float32)
+    expected = kernels.encode_array(kernels.gemm(a, b))
+    base = {"result_id": "r", "m": 8, "n": 8, "k": 4, "trans_a": False, "trans_b": False}
+    reports = {}
+    for upload in ("tile", "hash"):
+        assignment = {**base, "upload": upload}
+        blobs = kernels.encode_array(a), kernels.encode_array(b)
+        output_hash, tile, seconds = await daemon._kernel(assignment, *blobs)
+        reports[upload] = daemon.report_of(assignment, output_hash, tile, seconds)
+    assert "hash" not in reports["tile"] and bytes(reports["tile"]["tile"]) == bytes(expected)
+    assert reports["hash"]["hash"] == kernels.blob_id(expected) and "tile" not in reports["hash"]

@@ -130,6 +130,8 @@ async def test_results_of_another_host_and_bad_tiles_are_refused_and_nothing_cha
             ({"hash": good_hash, "tile": tile[:-4]}, "hash"),  # truncated: hash mismatch
             ({"hash": "0" * 64, "tile": tile}, "hash mismatch"),
             ({"hash": good_hash}, "asked for the tile"),
+            ({}, "field 'hash'"),  # neither the tile nor its hash
+            ({"tile": tile[:-4]}, "data bytes"),  # no hash to check, and not a whole tile
             (
                 {
                     "hash": kernels.blob_id(kernels.encode_array(np.zeros((3, 3), np.float32))),
@@ -142,8 +144,10 @@ async def test_results_of_another_host_and_bad_tiles_are_refused_and_nothing_cha
                 await alice.report([{"result_id": result_id, **entry}])
             assert words in str(bad.value)
         assert co.ledger.results[result_id] == before  # nothing applied
-        reply = await alice.report([{"result_id": result_id, "hash": good_hash, "tile": tile}])
+        # The hash may be left out with the tile: the coordinator names it by the bytes.
+        reply = await alice.report([{"result_id": result_id, "tile": tile}])
         assert reply["accepted"] == [result_id]
+        assert co.ledger.results[result_id].output_hash == good_hash
         again = await alice.report([{"result_id": result_id, "hash": good_hash, "tile": tile}])
         assert again["duplicate"] == [result_id]
 
