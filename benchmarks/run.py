@@ -214,9 +214,13 @@ def coordinator_rows(quick: bool) -> list[Row]:
             )
         )
         for hosts in [100] if quick else [100, 1000, 10000]:
+            overflows = listen_overflows()
             result, report = asyncio.run(
                 _coordinator_at(core, hosts, window, "mixed", TRAINING_LIKE, False)
             )
+            dropped = ""
+            if overflows is not None and (after := listen_overflows()) is not None:
+                dropped = f"; connections dropped by a full listen queue: {after - overflows:,}"
             p99 = result.get("work_p99_ms", float("nan"))
             client = report.latency.get("work", {})
             rows.append(
@@ -228,7 +232,7 @@ def coordinator_rows(quick: bool) -> list[Row]:
                     verdict(p99 < 50) if hosts == 1000 else "",
                     f"{result.get('work_requests', 0):,} requests; seen by the hosts p50 "
                     f"{client.get('p50_ms', float('nan')):.0f} / p99 "
-                    f"{client.get('p99_ms', float('nan')):.0f} ms",
+                    f"{client.get('p99_ms', float('nan')):.0f} ms{dropped}",
                 )
             )
             rows.append(
@@ -242,6 +246,20 @@ def coordinator_rows(quick: bool) -> list[Row]:
                 )
             )
     return rows
+
+
+def listen_overflows() -> int | None:
+    """The kernel's count of connections dropped because a listen queue was full (Linux; all
+    of the machine's sockets); None where it cannot be read."""
+    try:
+        lines = Path("/proc/net/netstat").read_text().splitlines()
+    except OSError:
+        return None
+    for names, values in zip(lines[::2], lines[1::2], strict=False):
+        if names.startswith("TcpExt:"):
+            counters = dict(zip(names.split()[1:], values.split()[1:], strict=True))
+            return int(counters["ListenOverflows"]) if "ListenOverflows" in counters else None
+    return None
 
 
 def module_rows(name: str, quick: bool) -> list[Row]:

@@ -40,6 +40,12 @@ MAX_REGISTER_BYTES = 16 << 10
 # joining a read's chunks copies the body again: on loopback both ways were 3x slower
 # (benchmarks/transfer.py).
 PIECE_BYTES = 1 << 20
+# Connections the kernel holds for the server until it accepts them (capped by
+# net.core.somaxconn). aiohttp's default of 128 overflowed about 100 times in a run of
+# 10,000 hosts (the kernel's ListenOverflows): a dropped connection is tried again after 1
+# s, then 3 more, so a host waited seconds for a server that answers in milliseconds.
+LISTEN_BACKLOG = 4096
+
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 Middleware = Callable[[web.Request, Handler], Awaitable[web.StreamResponse]]
 
@@ -387,7 +393,7 @@ async def serve(
         keepalive_timeout=coordinator.config.header_timeout,
     )
     await runner.setup()
-    site = web.TCPSite(runner, host, port)
+    site = web.TCPSite(runner, host, port, backlog=LISTEN_BACKLOG)
     try:
         await site.start()
     except BaseException as exc:
