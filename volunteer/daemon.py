@@ -176,7 +176,7 @@ class Volunteer(PullLoop):
 
     async def _kernel(
         self, assignment: dict[str, Any], a: bytes, b: bytes
-    ) -> tuple[str, bytes, float]:
+    ) -> tuple[str | None, bytes, float]:
         started = time.perf_counter()
         output_hash, tile = await asyncio.to_thread(
             compute_tile,

@@ -128,8 +128,9 @@ class Reports:
         finished += unknown
         # Every tile is checked, then stored, before any report is applied: when the blob
         # store fails, the whole report is refused and none of it is half-done.
-        uploads = [(e, result, wu, tile) for e, result, wu, tile in checked if tile is not None]
-        fresh = [u for u in uploads if not self._reported(u[1])]  # a replay stores nothing
+        uploads = [(e, r, wu, tile) for e, r, wu, tile in checked if tile is not None]
+        # All are checked; a replay's tile is not stored again.
+        fresh = [(e, r, wu, tile) for e, r, wu, tile in uploads if not self._reported(r)]
         hashes: dict[str, str] = {}  # result id -> the hash of its tile, as received
 
         def check_and_store() -> None:
