@@ -82,14 +82,18 @@ class ScriptedVolunteer(PullLoop):
 
     async def _kernel(
         self, assignment: dict[str, Any], a: bytes, b: bytes
-    ) -> tuple[str, bytes, float]:
+    ) -> tuple[str | None, bytes, float]:
         started = time.perf_counter()
-        output_hash, tile = compute_tile(assignment, a, b)
+        output_hash, tile = compute_tile(
+            assignment, a, b, hashed=assignment.get("hash_needed", True)
+        )
         if self.behaviour.seconds_per_tile:
             await asyncio.sleep(self.behaviour.seconds_per_tile)  # a slower host, modelled
         return output_hash, tile, time.perf_counter() - started
 
-    def _outcome(self, assignment: dict[str, Any], output_hash: str, tile: bytes) -> dict | None:
+    def _outcome(
+        self, assignment: dict[str, Any], output_hash: str | None, tile: bytes
+    ) -> dict | None:
         if self.behaviour.silent:
             self.held.append(assignment["result_id"])
             return None
@@ -97,7 +101,8 @@ class ScriptedVolunteer(PullLoop):
             wrong = kernels.decode_array(tile).copy()
             wrong.flat[0] += np.float32(1.0)
             tile = kernels.encode_array(wrong)
-            return {"hash": kernels.blob_id(tile), "tile": tile}
+            # As the daemon does: the hash only where the assignment needs it.
+            return {"hash": None if output_hash is None else kernels.blob_id(tile), "tile": tile}
         return super()._outcome(assignment, output_hash, tile)
 
     async def _compute(

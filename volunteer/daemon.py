@@ -184,7 +184,7 @@ class Volunteer(PullLoop):
             a,
             b,
             threads=self.config.threads,
-            hashed=assignment["upload"] != "tile",
+            hashed=assignment.get("hash_needed", True),
         )
         return output_hash, tile, time.perf_counter() - started
 

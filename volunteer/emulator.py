@@ -355,18 +355,21 @@ class EmulatedHost(PullLoop):
             self.em.totals.overrun += elapsed - modelled
         return output_hash, tile, max(elapsed, modelled)
 
-    def _outcome(self, assignment: dict[str, Any], output_hash: str, tile: bytes) -> dict:
+    def _outcome(self, assignment: dict[str, Any], output_hash: str | None, tile: bytes) -> dict:
         draw = self.rng.random()
         t = self.traits
         if draw < t.error_rate:
             self.em.totals.counts["client_errors"] += 1
             return {"error": "emulated client error"}
+        # The tile is computed once for every replica (Emulation.compute), so it comes
+        # hashed; the report leaves the hash out where the daemon's would.
+        hashed = assignment.get("hash_needed", True)
         if draw < t.error_rate + t.lie_rate:
             tile = falsify(tile, self.rng.choice(LIES), self.rng)
             self.em.totals.counts["lies"] += 1
             self.lied = True
-            return {"hash": kernels.blob_id(tile), "tile": tile}
-        return {"hash": output_hash, "tile": tile}
+            return {"hash": kernels.blob_id(tile) if hashed else None, "tile": tile}
+        return {"hash": output_hash if hashed else None, "tile": tile}
 
     async def leave(self, graceful: bool, timeout: float, *, drain: bool = False) -> None:
         """End a session (PullLoop.leave). `drain` (the end of the emulation) first finishes

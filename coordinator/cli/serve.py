@@ -29,13 +29,13 @@ from coordinator.training.trainer import StepReport, Trainer
 log = logging.getLogger(__name__)
 
 SWITCH_INTERVAL = 0.0005  # seconds a thread may hold the GIL while another waits
-# The cyclic garbage collector runs when this many more container objects are alive than at
-# its last pass (Python's default is 700), and looks at older objects every 20 passes. The
+# The cyclic garbage collector passes when this many more container objects are alive than
+# at its last pass (Python's default is 700; the older generations keep its 10). The
 # coordinator's records, requests and reports are freed by reference counting: a run of the
-# throughput benchmark leaves about 2,000 objects of cyclic garbage, none of them arrays. At
+# throughput benchmark leaves about 2,400 objects of cyclic garbage, none of them arrays. At
 # the default the collector made 1,700 passes in that run, about 9% of the coordinator's CPU,
 # and a full pass stalled the server's loop for about 45 ms (docs/performance.md, tenth round).
-GC_THRESHOLDS = (50_000, 20, 20)
+GC_THRESHOLDS = (50_000, 10, 10)
 FINISH_GRACE = 15.0  # seconds a finished coordinator waits for its volunteers to hear it
 RECENT_CONTACT = 30.0  # volunteers in contact this recently are told before it exits
 

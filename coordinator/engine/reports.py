@@ -174,16 +174,17 @@ class Reports:
             ) from exc
 
     def _check_tile(self, wu: WorkUnit, result_id: str, claimed: str | None, tile: bytes) -> str:
-        """The tile's hash (the one its host claimed, if it claimed one); BadRequest unless
-        the tile is a float32 array of the work unit's shape with that hash."""
+        """The tile's id: its hash, which must be the one its host claimed, if it claimed
+        one. BadRequest unless the tile is a float32 array of the work unit's shape."""
         m, n, _ = wu.shape
         if len(tile) > self.config.max_blob_bytes:
             raise BadRequest(f"result {result_id}: tile of {len(tile)} bytes is over the limit")
         try:
             if claimed is None:
-                claimed = kernels.blob_id(tile)
+                tile_id = kernels.blob_id(tile)
             else:
                 kernels.verify_blob(tile, claimed)
+                tile_id = claimed
             array = kernels.decode_array(tile)
         except ValueError as exc:
             raise BadRequest(f"result {result_id}: {exc}") from exc
@@ -192,7 +193,7 @@ class Reports:
                 f"result {result_id}: tile must be float32 of shape {(m, n)}, "
                 f"got {array.dtype} {array.shape}"
             )
-        return claimed
+        return tile_id
 
     def _apply(
         self,

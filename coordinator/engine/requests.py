@@ -288,6 +288,10 @@ class WorkRequests:
             "n": n,
             "k": k,
             "upload": "tile" if result.upload_tile else "hash",
+            # The report may leave out the hash of a tile it uploads (the coordinator hashes
+            # the bytes); said here, so a volunteer does not leave it out for an older
+            # coordinator, which would refuse the report and count the host a liar.
+            "hash_needed": not result.upload_tile,
             "deadline_in": max(0.0, (result.report_deadline or now) - now),
             "kernel_version": wu.kernel_version,
         }

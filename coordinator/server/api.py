@@ -43,7 +43,8 @@ PIECE_BYTES = 1 << 20
 # Connections the kernel holds for the server until it accepts them (capped by
 # net.core.somaxconn). aiohttp's default of 128 overflowed about 100 times in a run of
 # 10,000 hosts (the kernel's ListenOverflows): a dropped connection is tried again after 1
-# s, then 3 more, so a host waited seconds for a server that answers in milliseconds.
+# s, then 2 s later, doubling, so a host waited seconds for a server that answers in
+# milliseconds.
 LISTEN_BACKLOG = 4096
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]

@@ -401,9 +401,11 @@ def test_a_daemon_with_a_relative_state_dir_starts_and_stops(tmp_path):
         subprocess.run([*command, "stop", "--state-dir", "v"], cwd=tmp_path, env=env, timeout=60)
 
 
-async def test_the_daemon_hashes_only_the_tiles_it_does_not_upload(tmp_path):
+async def test_the_daemon_hashes_only_the_tiles_whose_assignment_needs_the_hash(tmp_path):
     # An uploaded tile is named by the coordinator's hash of the bytes it receives: hashing
-    # it here as well would only hold the report back. A hash-only replica sends its hash.
+    # it here as well would only hold the report back. A hash-only replica sends its hash,
+    # and so does every report to a coordinator that does not say `hash_needed` (an older
+    # one refuses a tile without its hash, and counts the host a liar).
     from volunteer.daemon import Volunteer, VolunteerConfig
 
     daemon = Volunteer(VolunteerConfig(url="http://127.0.0.1:9", state_dir=tmp_path, threads=1))
@@ -412,10 +414,16 @@ async def test_the_daemon_hashes_only_the_tiles_it_does_not_upload(tmp_path):
     expected = kernels.encode_array(kernels.gemm(a, b))
     base = {"result_id": "r", "m": 8, "n": 8, "k": 4, "trans_a": False, "trans_b": False}
     reports = {}
-    for upload in ("tile", "hash"):
-        assignment = {**base, "upload": upload}
+    for name, fields in {
+        "tile": {"upload": "tile", "hash_needed": False},
+        "hash": {"upload": "hash", "hash_needed": True},
+        "older coordinator": {"upload": "tile"},
+    }.items():
+        assignment = {**base, **fields}
         blobs = kernels.encode_array(a), kernels.encode_array(b)
         output_hash, tile, seconds = await daemon._kernel(assignment, *blobs)
-        reports[upload] = daemon.report_of(assignment, output_hash, tile, seconds)
+        reports[name] = daemon.report_of(assignment, output_hash, tile, seconds)
     assert "hash" not in reports["tile"] and bytes(reports["tile"]["tile"]) == bytes(expected)
     assert reports["hash"]["hash"] == kernels.blob_id(expected) and "tile" not in reports["hash"]
+    older = reports["older coordinator"]
+    assert older["hash"] == kernels.blob_id(expected) and bytes(older["tile"]) == bytes(expected)

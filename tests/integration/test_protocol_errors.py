@@ -144,7 +144,9 @@ async def test_results_of_another_host_and_bad_tiles_are_refused_and_nothing_cha
                 await alice.report([{"result_id": result_id, **entry}])
             assert words in str(bad.value)
         assert co.ledger.results[result_id] == before  # nothing applied
-        # The hash may be left out with the tile: the coordinator names it by the bytes.
+        # The hash may be left out with the tile (the assignment says so): the coordinator
+        # names the tile by the bytes.
+        assert assignment["upload"] == "tile" and assignment["hash_needed"] is False
         reply = await alice.report([{"result_id": result_id, "tile": tile}])
         assert reply["accepted"] == [result_id]
         assert co.ledger.results[result_id].output_hash == good_hash
