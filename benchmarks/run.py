@@ -257,7 +257,7 @@ def listen_overflows() -> int | None:
         return None
     for names, values in zip(lines[::2], lines[1::2], strict=False):
         if names.startswith("TcpExt:"):
-            counters = dict(zip(names.split()[1:], values.split()[1:], strict=True))
+            counters = dict(zip(names.split()[1:], values.split()[1:], strict=False))
             return int(counters["ListenOverflows"]) if "ListenOverflows" in counters else None
     return None
 
