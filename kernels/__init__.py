@@ -5,6 +5,7 @@ from kernels.gemm import batched_gemm, gemm, kernel_name
 from kernels.hashing import (
     BlobDecodeError,
     BlobMismatchError,
+    array_blob,
     array_id,
     blob_array,
     blob_id,
@@ -21,6 +22,7 @@ __all__ = [
     "KERNEL_VERSION",
     "BlobDecodeError",
     "BlobMismatchError",
+    "array_blob",
     "array_id",
     "batched_gemm",
     "blob_array",

@@ -61,6 +61,21 @@ def encode_array(x: np.ndarray) -> bytes:
     return b"".join((header, memoryview(data).cast("B") if data.size else b""))
 
 
+def array_blob(x: np.ndarray) -> memoryview:
+    """encode_array(x) in a read-only buffer of its own, copied in one pass whether or not x is
+    contiguous, with the GIL released: an operand panel is megabytes, and `bytes.join`
+    holds the GIL for the whole copy of a memoryview (CPython drops it only for `bytes`
+    items), which stalls every other thread of the process, the server's event loop among
+    them, for milliseconds."""
+    x = np.asarray(x)
+    if x.ndim > MAX_NDIM:
+        raise ValueError(f"cannot hash a {x.ndim}-D array: at most {MAX_NDIM} dimensions")
+    blob, data = blob_array(x.shape, x.dtype)
+    np.copyto(data, x, casting="equiv")
+    # Read-only, as bytes are: a store keeps it as it is instead of copying it to be safe.
+    return blob.toreadonly()
+
+
 def blob_array(
     shape: tuple[int, ...], dtype: np.dtype | type = np.float32
 ) -> tuple[memoryview, np.ndarray]:

@@ -271,7 +271,7 @@ class Products:
             # named by the operand's id, already hashed: each blob is hashed once.
             named = [gemm.a_id if len(rows) == 1 else None] * len(rows)
             named += [gemm.b_id if len(cols) == 1 else None] * len(cols)
-            encoded = [kernels.encode_array(p) for p in (*rows, *cols)]
+            encoded = [kernels.array_blob(p) for p in (*rows, *cols)]
             ids = self.blobs.put_many(
                 list(zip(encoded, named, strict=True)),
                 keep=True,

@@ -42,15 +42,10 @@ def _recovered(message: str, *args: object) -> None:
 def panels(
     a: np.ndarray, b: np.ndarray, trans_a: bool, trans_b: bool, tile: int, m: int, n: int
 ) -> tuple[list[np.ndarray], list[np.ndarray]]:
-    """Row panels op(A)[i0:i1, :] and column panels op(B)[:, j0:j1], stored as in A and B."""
-    rows = [
-        np.ascontiguousarray(a[:, i0 : i0 + tile] if trans_a else a[i0 : i0 + tile])
-        for i0 in range(0, m, tile)
-    ]
-    cols = [
-        np.ascontiguousarray(b[j0 : j0 + tile] if trans_b else b[:, j0 : j0 + tile])
-        for j0 in range(0, n, tile)
-    ]
+    """Row panels op(A)[i0:i1, :] and column panels op(B)[:, j0:j1], stored as in A and B:
+    views, copied once into their blobs (kernels.array_blob)."""
+    rows = [a[:, i0 : i0 + tile] if trans_a else a[i0 : i0 + tile] for i0 in range(0, m, tile)]
+    cols = [b[j0 : j0 + tile] if trans_b else b[:, j0 : j0 + tile] for j0 in range(0, n, tile)]
     return rows, cols
 
 
@@ -95,7 +90,7 @@ async def restore_panels(
 
         def store_panels() -> None:
             rows, cols = panels(a, b, gemm.trans_a, gemm.trans_b, gemm.tile, gemm.m, gemm.n)
-            blobs.put_many([(kernels.encode_array(p), None) for p in (*rows, *cols)])
+            blobs.put_many([(kernels.array_blob(p), None) for p in (*rows, *cols)])
 
         await asyncio.to_thread(store_panels)
     except BaseException:

@@ -10,6 +10,7 @@ import pytest
 from kernels import (
     BlobDecodeError,
     BlobMismatchError,
+    array_blob,
     array_id,
     blob_array,
     blob_id,
@@ -51,6 +52,17 @@ def test_any_byte_shape_or_dtype_change_changes_the_id(x):
     assert array_id(x.reshape(35)) != original
     assert array_id(x.view(np.int32)) != original
     assert array_id(np.zeros((0, 3), np.float32)) != array_id(np.zeros((3, 0), np.float32))
+
+
+def test_an_array_blob_is_the_encoded_blob_whatever_the_layout(x):
+    """A panel is a strided view of its operand; its blob must be the canonical bytes that
+    its id names, however it was laid out."""
+    for view in (x, x[:, 2:5], x.T, np.asfortranarray(x), x.astype(">f4"), x[:0]):
+        assert bytes(array_blob(view)) == encode_array(view)
+        assert blob_id(array_blob(view)) == array_id(view)
+    assert array_blob(x).readonly
+    with pytest.raises(ValueError):
+        array_blob(x.astype(np.float16))
 
 
 def test_decode_round_trips_and_is_read_only(x):
