@@ -67,7 +67,7 @@ async def stalls_while(encode: Callable[[np.ndarray], object], views: list[np.nd
 def run(rounds: int = 5) -> list[Row]:
     tune_interpreter()
     x = np.random.default_rng(0).standard_normal((SIDE, SIDE), dtype=np.float32)
-    rows, cols = panels(x, x, False, False, TILE, SIDE, SIDE)
+    _, cols = panels(x, x, False, False, TILE, SIDE, SIDE)
     views = [x, *cols]  # the operand whole, and strided column panels
     assert all(bytes(kernels.array_blob(v)) == joined(v) for v in views[:2])
     ways = {"join": joined, "array_blob": kernels.array_blob}
