@@ -20,7 +20,7 @@ import numpy as np
 import kernels
 from coordinator.engine.config import CoordinatorConfig
 from coordinator.engine.crowd import CrowdWatch
-from coordinator.engine.offload import offload
+from coordinator.engine.offload import copy_in_pieces, offload
 from coordinator.engine.operands import OperandIds
 from coordinator.engine.recovery import canonical_tile, panel_ids, panels, restore_panels
 from coordinator.rules import sizing
@@ -373,7 +373,10 @@ class Products:
         elif tile is None:
             # From the disk, or recomputed after a kill (engine/recovery.py): on a thread.
             tile = await asyncio.to_thread(canonical_tile, self.blobs, wu)
-        output.out[wu.i0 : wu.i1, wu.j0 : wu.j1] = tile
+        # In pieces, the loop answering requests in between: a 16 MB tile copied into a fresh
+        # output at once (page faults and all) kept the server from answering for several
+        # milliseconds, and a hop to a thread per tile slows the product down.
+        await copy_in_pieces(output.out[wu.i0 : wu.i1, wu.j0 : wu.j1], tile)
         output.remaining.discard(wu.id)
         if wu.state is not WuState.ASSIMILATED:
             self.ledger.put_wu(wu.evolve(state=WuState.ASSIMILATED))
