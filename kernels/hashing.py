@@ -68,9 +68,7 @@ def array_blob(x: np.ndarray) -> memoryview:
     items), which stalls every other thread of the process, the server's event loop among
     them, for milliseconds."""
     x = np.asarray(x)
-    if x.ndim > MAX_NDIM:
-        raise ValueError(f"cannot hash a {x.ndim}-D array: at most {MAX_NDIM} dimensions")
-    blob, data = blob_array(x.shape, x.dtype)
+    blob, data = blob_array(x.shape, x.dtype)  # ValueError for a dtype or rank not allowed
     np.copyto(data, x, casting="equiv")
     # Read-only, as bytes are: a store keeps it as it is instead of copying it to be safe.
     return blob.toreadonly()

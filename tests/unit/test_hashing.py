@@ -63,6 +63,8 @@ def test_an_array_blob_is_the_encoded_blob_whatever_the_layout(x):
     assert array_blob(x).readonly
     with pytest.raises(ValueError):
         array_blob(x.astype(np.float16))
+    with pytest.raises(ValueError):
+        array_blob(np.zeros((1,) * 9, np.float32))
 
 
 def test_decode_round_trips_and_is_read_only(x):
