@@ -12,7 +12,12 @@ import socket
 import sys
 import time
 
-from coordinator.engine.backend import TrainingThread, VolunteerBackend, on_loop
+from coordinator.engine.backend import (
+    TrainingThread,
+    VolunteerBackend,
+    on_loop,
+    trains_on_server_loop,
+)
 from coordinator.engine.config import CoordinatorConfig
 from coordinator.engine.coordinator import Coordinator
 from coordinator.engine.products import GemmFailed
@@ -199,13 +204,19 @@ async def _train(
 
     trainer = Trainer(project, VolunteerBackend(coordinator.products, loop))
     coordinator.progress.restore(history.read(trainer.metrics), steps)
-    # The trainer runs on a thread of its own: what it reports and prunes, it hands back here.
-    trainer.before_checkpoint = lambda: on_loop(coordinator.ledger.flush(), loop)
-    trainer.on_checkpoint = lambda step: on_loop(coordinator.retention.prune(step), loop)
-    thread = TrainingThread(
-        lambda: trainer.run(on_step=lambda report: loop.call_soon_threadsafe(on_step, report))
-    )
-    training = asyncio.create_task(thread.run())
+    if trains_on_server_loop(project):
+        log.info("a small model: its arithmetic runs on the server's event loop")
+        trainer.before_checkpoint = coordinator.ledger.flush
+        trainer.on_checkpoint = coordinator.retention.prune
+        training = asyncio.create_task(trainer.run(on_step=on_step))
+    else:
+        # On a thread of its own: what it reports and prunes, it hands back here.
+        trainer.before_checkpoint = lambda: on_loop(coordinator.ledger.flush(), loop)
+        trainer.on_checkpoint = lambda step: on_loop(coordinator.retention.prune(step), loop)
+        thread = TrainingThread(
+            lambda: trainer.run(on_step=lambda report: loop.call_soon_threadsafe(on_step, report))
+        )
+        training = asyncio.create_task(thread.run())
     stopper = asyncio.create_task(stop.wait())
     passes = {coordinator.loop} if coordinator.loop is not None else set()
     try:

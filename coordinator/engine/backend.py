@@ -1,9 +1,11 @@
-"""Where the training loop meets the engine: the trainer on a thread of its own, its linear
-layers' products sent to the coordinator's event loop as work units.
+"""Where the training loop meets the engine: the trainer's linear layers' products sent to
+the coordinator's event loop as work units.
 
-The model's own arithmetic (element-wise work, attention, the optimizer, evaluation,
-checkpoints) runs on the training thread with its own event loop, so the server's loop never
-waits for it: work requests, reports and status are answered at every moment of a step."""
+A large model's own arithmetic (element-wise work, attention, the optimizer) runs on a
+training thread with its own event loop, so the server's loop never waits for it: work
+requests, reports and status are answered at every moment of a step. A small model's runs on
+the server's loop itself: between two of its products it computes for a millisecond or two,
+less than a hand-off to another thread and back costs (`trains_on_server_loop`)."""
 
 from __future__ import annotations
 
@@ -18,17 +20,31 @@ from typing import Any, TypeVar
 import numpy as np
 
 from coordinator.engine.products import Products
+from coordinator.training.model import parameter_count, widest_activation
+from coordinator.training.project import Project
 from coordinator.training.trainer import batched_gemm
 
 T = TypeVar("T")
 
 TRAINING_NICE = 5  # the training thread's nice value above the server's
+# A model whose widest activation in a micro-batch, and whose parameters, are each smaller
+# than this trains on the server's loop. tiny-gpt (1 MB and 1.9 MB) holds the loop at most
+# 4.6 ms at a time, and AdamW over 4 MB of parameters takes 2 ms (docs/performance.md).
+SMALL_MODEL_BYTES = 4 << 20
+
+
+def trains_on_server_loop(project: Project) -> bool:
+    """Whether the model's arithmetic is small enough to run on the server's event loop."""
+    sequences = project.training.batch_size // project.training.micro_batches
+    widest = 4 * widest_activation(project.model, sequences)
+    return max(widest, 4 * parameter_count(project.model)) < SMALL_MODEL_BYTES
 
 
 class VolunteerBackend:
     """Linear-layer products as work units for volunteers; attention in this process.
 
-    Called from the training thread; each product is awaited on the coordinator's loop."""
+    Each product is awaited on the coordinator's loop: directly when the trainer runs there,
+    through a hand-off when it runs on a training thread."""
 
     def __init__(self, products: Products, loop: asyncio.AbstractEventLoop) -> None:
         self.products = products
@@ -44,6 +60,8 @@ class VolunteerBackend:
             step=self.step,
             label=label,
         )
+        if asyncio.get_running_loop() is self.loop:
+            return await product
         return await on_loop(product, self.loop)
 
     batched = staticmethod(batched_gemm)

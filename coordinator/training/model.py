@@ -65,6 +65,17 @@ def param_shapes(s: ModelSettings) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
+def widest_activation(s: ModelSettings, sequences: int) -> int:
+    """Elements of the largest array a forward or backward pass of `sequences` sequences
+    makes: the MLP's hidden layer, the attention's scores or the logits."""
+    per_token = max(4 * s.width, s.heads * s.context, VOCAB)
+    return sequences * s.context * per_token
+
+
+def parameter_count(s: ModelSettings) -> int:
+    return sum(int(np.prod(shape)) for shape in param_shapes(s).values())
+
+
 def init_params(s: ModelSettings, seed: int) -> Params:
     """GPT-2 style: N(0, 0.02) weights, residual projections scaled by 1/sqrt(2 layers)."""
     rng = np.random.default_rng([seed, 0x7417])

@@ -143,8 +143,9 @@ class Trainer:
     ) -> Params:
         t, opt = self.project.training, self.project.optimizer
         last = min(until or t.steps, t.steps)
-        step, params, state = self.resume()
-        corpus = self._corpus()
+        # Files read off the running loop: it may be the server's, answering volunteers.
+        step, params, state = await asyncio.to_thread(self.resume)
+        corpus = await asyncio.to_thread(self._corpus)
         if step:
             log.info("resuming after step %d from %s", step, self.project.checkpoints)
         reported: asyncio.Task | None = None  # the previous step's report, in order

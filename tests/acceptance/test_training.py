@@ -240,9 +240,8 @@ async def test_a_failed_coordinator_loop_stops_training_instead_of_hanging(
     assert "training stopped: the coordinator's loop failed" in caplog.text
 
 
-async def test_the_models_arithmetic_runs_off_the_servers_event_loop(tmp_path, monkeypatch):
-    """The model's own numpy work (here its first layernorm) runs on the training thread, so
-    the server's loop answers requests while a step computes."""
+async def _threads_of_the_models_arithmetic(project) -> list[threading.Thread]:
+    """The threads that ran the model's first layernorm while `project` was hosted."""
     from coordinator.cli import serve as host
     from coordinator.training import model
 
@@ -255,17 +254,55 @@ async def test_the_models_arithmetic_runs_off_the_servers_event_loop(tmp_path, m
         reached.set()
         return layernorm(*args)
 
-    monkeypatch.setattr(model, "layernorm", spying_layernorm)
-    project = projects.create(tmp_path / "p", **SMALL)
-    serving = asyncio.create_task(host.host_project(project, "127.0.0.1", 0, False))
-    try:
-        await wait_until(reached.is_set, timeout=60)
-    finally:
-        serving.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await serving
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(model, "layernorm", spying_layernorm)
+        serving = asyncio.create_task(host.host_project(project, "127.0.0.1", 0, False))
+        try:
+            await wait_until(reached.is_set, timeout=60)
+        finally:
+            serving.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await serving
+    return seen
+
+
+async def test_a_large_models_arithmetic_runs_off_the_servers_event_loop(tmp_path, monkeypatch):
+    """A large model's own numpy work (here its first layernorm) runs on the training thread,
+    so the server's loop answers requests while a step computes."""
+    from coordinator.engine import backend
+
+    monkeypatch.setattr(backend, "SMALL_MODEL_BYTES", 0)  # every model is large
+    seen = await _threads_of_the_models_arithmetic(projects.create(tmp_path / "p", **SMALL))
     assert seen and all(t is not threading.current_thread() for t in seen)
     assert seen[0].name == "tilehive-training"
+
+
+async def test_a_small_models_arithmetic_runs_on_the_servers_event_loop(tmp_path):
+    """A small model's numpy work runs on the server's own loop, with no hand-off to a
+    thread and back for each product, and the run still trains."""
+    seen = await _threads_of_the_models_arithmetic(projects.create(tmp_path / "p", **SMALL))
+    assert seen and all(t is threading.current_thread() for t in seen)
+
+
+def test_tiny_gpt_trains_on_the_servers_loop_and_a_larger_model_on_a_thread(tmp_path):
+    """The defaults' arithmetic is small enough for the server's loop; a model of width 512
+    (the larger project of docs/performance.md) would hold it for tens of milliseconds."""
+    from coordinator.engine.backend import trains_on_server_loop
+
+    tiny = projects.create(tmp_path / "tiny", **{"corpus.max_mb": 1})
+    larger = projects.create(
+        tmp_path / "larger",
+        **{
+            "model.layers": 4,
+            "model.width": 512,
+            "model.heads": 8,
+            "model.context": 128,
+            "training.batch_size": 32,
+            "corpus.max_mb": 1,
+        },
+    )
+    assert trains_on_server_loop(tiny)
+    assert not trains_on_server_loop(larger)
 
 
 @pytest.mark.parametrize("parts", [2, 4])
