@@ -7,9 +7,9 @@ one thread; from this process, one persistent HTTP connection asks `GET /v1/stat
 30 ms for as long as training runs, and each answer's latency (request sent to last byte
 read) is recorded. Done for tiny-gpt (the defaults) and for the larger project of the
 arithmetic issue (4 layers, width 512, 8 heads, context 128, batch 32, tiles of 256,
-Freivalds). The bar: p99 < 20 ms (moonshot 5 ms). The model's arithmetic runs on the
-training thread, so the server's event loop only waits for the GIL, never for a whole
-forward pass.
+Freivalds). The bar: p99 < 20 ms (moonshot 5 ms). The larger model's arithmetic runs on
+the training thread, so the server's event loop only waits for the GIL, never for a whole
+forward pass; tiny-gpt's runs on the server's loop, a millisecond or two at a time.
 """
 
 from __future__ import annotations

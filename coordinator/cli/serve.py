@@ -115,9 +115,10 @@ class Interrupts:
 
 def tune_interpreter() -> None:
     """Set the GIL's switch interval and the garbage collector for a coordinator process."""
-    # The training thread computes while this one serves: every time the server's loop
-    # waits on a socket it must win the GIL back, and at Python's default 5 ms a request
-    # of a dozen such waits takes tens of milliseconds (the convoy effect).
+    # A training thread (a large model's) and worker threads compute while this one serves:
+    # every time the server's loop waits on a socket it must win the GIL back, and at
+    # Python's default 5 ms a request of a dozen such waits takes tens of milliseconds (the
+    # convoy effect).
     sys.setswitchinterval(SWITCH_INTERVAL)
     gc.set_threshold(*GC_THRESHOLDS)
 

@@ -28,8 +28,9 @@ T = TypeVar("T")
 
 TRAINING_NICE = 5  # the training thread's nice value above the server's
 # A model whose widest activation in a micro-batch, and whose parameters, are each smaller
-# than this trains on the server's loop. tiny-gpt (1 MB and 1.9 MB) holds the loop at most
-# 4.6 ms at a time, and AdamW over 4 MB of parameters takes 2 ms (docs/performance.md).
+# than this trains on the server's loop. Trained so, tiny-gpt (1 MB and 1.9 MB) kept a status
+# request waiting 4.6 ms at most, and AdamW over 4 MB of parameters takes 2 ms
+# (docs/performance.md, the twelfth round).
 SMALL_MODEL_BYTES = 4 << 20
 
 
