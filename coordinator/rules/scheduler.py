@@ -12,7 +12,7 @@ BOINC's rules and the fixes for what its users complain about:
   with probability 1 - 1/CV, and that tile is always Freivalds-checked;
 - tail acceleration: spare replicas at the end of a GEMM go only to fast, reliable hosts;
 - while other hosts wait for work, a host takes only its share of each product's unsent
-  results (the product was cut for all of them: rules/sizing.py);
+  results (the product was cut for all of them: rules/sizing.py), and of all of them;
 - a crowd larger than the work is asked to spread its asks (idle_delay).
 """
 
@@ -198,6 +198,11 @@ class Scheduler:
         preferred = cached if self.config.cache_preference else set()
         taken: dict[str, int] = {}  # results of each product given in this plan
         shares: dict[str, int] = {}
+        if others > 0:
+            # Its share of all the work, too: two products published together (a layer's dX
+            # and dW, or the micro-batches' products) go to twice the hosts, not twice
+            # to the same ones while the rest idle.
+            room = min(room, math.ceil(len(ledger.unsent) / (others + 1)))
         for result_id in self._candidates(preferred):
             if room <= 0:
                 break

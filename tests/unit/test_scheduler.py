@@ -176,6 +176,22 @@ def test_a_host_takes_only_its_share_of_a_product_while_others_wait_for_work():
     assert ledger.unsent_of_gemm["gemm-1"] == 0
 
 
+def test_a_host_takes_only_its_share_of_all_the_work_while_others_wait_for_it():
+    """Two products of four tiles published together (the micro-batches' products, which
+    use the same weight panel); seven other hosts are waiting: this host gets one tile, not
+    one of each product while the rest idle."""
+    wus = [
+        make_wu(i, panels=(f"x{i}", "w"), target_nresults=1, min_quorum=1, gemm_id=f"gemm-{i % 2}")
+        for i in range(8)
+    ]
+    ledger = make_ledger(wus, replicas=1)
+    sched = scheduler(ledger)
+    cached = request(cached=["w"])
+    assert len(sched.plan(make_host(1), cached, NOW, others=7).assignments) == 1
+    assert len(sched.plan(make_host(2), cached, NOW, others=1).assignments) == 4
+    assert len(sched.plan(make_host(3), cached, NOW).assignments) == 3
+
+
 @pytest.mark.parametrize(
     ("outcome", "received"),
     [
