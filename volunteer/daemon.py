@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import os
 import resource
@@ -21,7 +22,7 @@ from volunteer.backoff import Backoff
 from volunteer.cache import BlobCache
 from volunteer.client import CoordinatorClient, compute_tile
 from volunteer.loop import PullLoop
-from volunteer.policy import MB, WORKSPACE_PER_THREAD
+from volunteer.policy import MB, WORKSPACE_PER_THREAD, computes_inline
 from volunteer.session import ProjectFinished, Quarantined
 from volunteer.state import StateDir
 
@@ -178,7 +179,7 @@ class Volunteer(PullLoop):
         self, assignment: dict[str, Any], a: bytes, b: bytes
     ) -> tuple[str | None, bytes, float]:
         started = time.perf_counter()
-        output_hash, tile = await asyncio.to_thread(
+        compute = functools.partial(
             compute_tile,
             assignment,
             a,
@@ -186,6 +187,10 @@ class Volunteer(PullLoop):
             threads=self.config.threads,
             hashed=assignment.get("hash_needed", True),
         )
+        if computes_inline(self.expected_seconds([assignment])):
+            output_hash, tile = compute()
+        else:
+            output_hash, tile = await asyncio.to_thread(compute)
         return output_hash, tile, time.perf_counter() - started
 
     def status(self) -> dict[str, Any]:

@@ -291,9 +291,13 @@ class PullLoop(CoordinatorSession):
 
     def _outlasts_round_trips(self, assignments: list[dict[str, Any]]) -> bool:
         """These tiles take longer to compute than an answer takes to come (policy.ask_ahead)."""
+        return ask_ahead(self.expected_seconds(assignments) or 0.0, self.round_trip())
+
+    def expected_seconds(self, assignments: list[dict[str, Any]]) -> float | None:
+        """Seconds these tiles should take at this host's speed (None: not yet known)."""
         flops = sum(2.0 * a["m"] * a["n"] * a["k"] for a in assignments)
         rate = self.flops_per_second or self.gflops * 1e9
-        return ask_ahead(flops / rate if rate else 0.0, self.round_trip())
+        return flops / rate if rate else None
 
     def round_trip(self) -> float | None:
         """Seconds a call takes at the least, lately: a long poll that waited is never

@@ -12,6 +12,7 @@ REPORT_BYTES = 8 * MB  # tile bytes per report: a report is sent once this much 
 MAX_CACHED_IDS = 4096  # the protocol's limit on a work request's `cached`
 UNSIZED_BLOB = 64 * MB  # the download limit of an operand whose size the assignment omits
 QUEUE_SECONDS = 2.0  # the work a host asks for, in seconds of its own compute
+INLINE_SECONDS = 0.002  # a tile expected to compute in less runs on the event loop
 
 
 def time_to_ask(queued: int, capacity: int, short: bool = False) -> bool:
@@ -44,6 +45,14 @@ def ask_ahead(compute_seconds: float, round_trip: float | None) -> bool:
     ask would still be out when the tile is done, and its report would need a call of its
     own: twice the calls for the same work. No round trip measured yet: not yet."""
     return round_trip is not None and compute_seconds > 2 * round_trip
+
+
+def computes_inline(compute_seconds: float | None) -> bool:
+    """Compute a tile on the event loop rather than on a worker thread when it is expected
+    to take under INLINE_SECONDS: the hop to the thread and back (its wake-up, the loop's
+    self-pipe, and the GIL won back from the loop) costs as much as a tiny tile, and the
+    loop is held for a millisecond or two at most. Speed not yet measured: on the thread."""
+    return compute_seconds is not None and compute_seconds < INLINE_SECONDS
 
 
 def report_batch(pending: list[dict[str, Any]]) -> list[dict[str, Any]]:

@@ -302,6 +302,14 @@ def test_a_volunteer_asks_ahead_only_for_tiles_that_outlast_two_round_trips():
     assert not ask_ahead(compute_seconds=10.0, round_trip=None)  # no call measured yet
 
 
+def test_a_volunteer_computes_only_tiles_of_a_millisecond_or_two_on_its_event_loop():
+    from volunteer.policy import computes_inline
+
+    assert computes_inline(0.0005)  # the hop to a thread costs as much as the tile
+    assert not computes_inline(0.050)  # the loop would be held for the whole tile
+    assert not computes_inline(None)  # speed not measured yet
+
+
 def test_reports_go_out_in_batches_bounded_in_results_and_bytes():
     from volunteer.policy import REPORT_BATCH, REPORT_BYTES, report_batch, report_due
 
@@ -427,3 +435,36 @@ async def test_the_daemon_hashes_only_the_tiles_whose_assignment_needs_the_hash(
     assert reports["hash"]["hash"] == kernels.blob_id(expected) and "tile" not in reports["hash"]
     older = reports["older coordinator"]
     assert older["hash"] == kernels.blob_id(expected) and bytes(older["tile"]) == bytes(expected)
+
+
+async def test_the_daemon_computes_a_tiny_tile_on_its_loop_and_a_long_one_on_a_thread(
+    tmp_path, monkeypatch
+):
+    """A tile of microseconds is computed where the daemon's loop runs, with no hop to a
+    worker thread and back; one expected to take longer goes to a thread, so the loop can
+    send reports and asks meanwhile. The bits are the kernel's either way."""
+    import threading
+
+    from volunteer import client as volunteer_client
+    from volunteer.daemon import Volunteer, VolunteerConfig
+
+    threads = []
+    compute_tile = volunteer_client.compute_tile
+
+    def spying(*args, **kwargs):
+        threads.append(threading.current_thread())
+        return compute_tile(*args, **kwargs)
+
+    monkeypatch.setattr("volunteer.daemon.compute_tile", spying)
+    daemon = Volunteer(VolunteerConfig(url="http://127.0.0.1:9", state_dir=tmp_path, threads=1))
+    rng = np.random.default_rng(0)
+    a, b = rng.standard_normal((8, 4), np.float32), rng.standard_normal((4, 8), np.float32)
+    assignment = {"result_id": "r", "m": 8, "n": 8, "k": 4, "trans_a": False, "trans_b": False}
+    blobs = kernels.encode_array(a), kernels.encode_array(b)
+    expected = kernels.encode_array(kernels.gemm(a, b))
+    for gflops in (50.0, 1e-6):  # 256 flops: 5 ns, or 256 s at a millionth of a GFLOPS
+        daemon.gflops = gflops
+        _, tile, _ = await daemon._kernel({**assignment, "hash_needed": False}, *blobs)
+        assert bytes(tile) == bytes(expected)
+    assert threads[0] is threading.current_thread()
+    assert threads[1] is not threading.current_thread()
