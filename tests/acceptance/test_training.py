@@ -279,7 +279,7 @@ async def test_a_large_models_arithmetic_runs_off_the_servers_event_loop(tmp_pat
 
 async def test_a_small_models_arithmetic_runs_on_the_servers_event_loop(tmp_path):
     """A small model's numpy work runs on the server's own loop, with no hand-off to a
-    thread and back for each product, and the run still trains."""
+    thread and back for each product."""
     seen = await _threads_of_the_models_arithmetic(projects.create(tmp_path / "p", **SMALL))
     assert seen and all(t is threading.current_thread() for t in seen)
 
