@@ -29,8 +29,26 @@ except ImportError:  # pragma: no cover - only when the extension was not built
 THREADS_ENV = "TILEHIVE_MODEL_THREADS"
 MAX_DEFAULT_THREADS = 8
 
-# Below this many elements per thread, handing work to a thread costs more than it saves.
-_MIN_WORK_PER_THREAD = 1 << 15
+# What one element costs each kernel on one thread, in nanoseconds, with its arrays in cache
+# (benchmarks/model_kernels.py measures them). Only estimates: they decide how many threads
+# a call is worth, never a bit of its output.
+_NS_PER_ELEMENT = {
+    "gelu": 1.4,
+    "gelu_backward": 0.25,
+    "layernorm": 0.3,
+    "layernorm_backward": 1.0,
+    "colsum": 0.2,
+    "add_bias": 0.1,
+    "softmax": 0.85,
+    "softmax_backward": 0.35,
+    "cross_entropy": 0.85,
+    "sumsq": 0.1,
+    "adamw": 0.65,
+}
+# A thread is handed a range only when its share is worth this much work: handing ranges to
+# the pool and waiting for them costs about 60 us on the reference machine, so a split that
+# leaves each thread less than a few times that is slower than one thread.
+_MIN_NS_PER_THREAD = 150_000
 
 
 class AdamScalars(NamedTuple):
@@ -75,12 +93,14 @@ def _cpu_count() -> int:
     return os.cpu_count() or 1
 
 
-def _splits(count: int, work_each: int, threads: int | None) -> list[tuple[int, int]]:
-    """[0, count) in at most `threads` contiguous ranges worth starting a thread for."""
+def _splits(kernel: str, count: int, work_each: int, threads: int | None) -> list[tuple[int, int]]:
+    """[0, count) in at most `threads` contiguous ranges, each worth starting a thread for:
+    `work_each` elements of `kernel`'s work per unit of the count."""
     if count <= 0:
         return []
     threads = default_threads() if threads is None else threads
-    useful = max(1, min(threads, count, count * max(1, work_each) // _MIN_WORK_PER_THREAD))
+    work_ns = count * max(1, work_each) * _NS_PER_ELEMENT[kernel]
+    useful = max(1, min(threads, count, int(work_ns // _MIN_NS_PER_THREAD)))
     chunk = -(-count // useful)
     return [(start, min(count, start + chunk)) for start in range(0, count, chunk)]
 
@@ -126,7 +146,9 @@ def gelu(
     rows, n = x.shape
     y, t = np.empty_like(x), np.empty_like(x)
     if x.size:
-        run_ranges(lambda r0, r1: _nn.gelu_fwd(x, bias, y, t, r0, r1, n), _splits(rows, n, threads))
+        run_ranges(
+            lambda r0, r1: _nn.gelu_fwd(x, bias, y, t, r0, r1, n), _splits("gelu", rows, n, threads)
+        )
     return y, t
 
 
@@ -141,7 +163,10 @@ def gelu_backward(
     rows, n = x.shape
     dx = np.empty_like(x)
     if x.size:
-        run_ranges(lambda r0, r1: _nn.gelu_bwd(dy, x, t, dx, r0, r1, n), _splits(rows, n, threads))
+        run_ranges(
+            lambda r0, r1: _nn.gelu_bwd(dy, x, t, dx, r0, r1, n),
+            _splits("gelu_backward", rows, n, threads),
+        )
     return dx
 
 
@@ -159,7 +184,7 @@ def layernorm(
         e = float(np.float32(eps))
         run_ranges(
             lambda r0, r1: _nn.layernorm_fwd(x, g, b, e, y, xhat, inv, r0, r1, n),
-            _splits(rows, n, threads),
+            _splits("layernorm", rows, n, threads),
         )
     return y, xhat, inv
 
@@ -183,7 +208,7 @@ def layernorm_backward(
     if dy.size:
         run_ranges(
             lambda r0, r1: _nn.layernorm_bwd(dy, xhat, inv, g, dx, r0, r1, n),
-            _splits(rows, n, threads),
+            _splits("layernorm_backward", rows, n, threads),
         )
     return dx, colsum(dy, xhat, threads=threads), colsum(dy, threads=threads)
 
@@ -204,7 +229,7 @@ def colsum(a: np.ndarray, b: np.ndarray | None = None, *, threads: int | None = 
     if a.size:
         run_ranges(
             lambda c0, c1: _nn.colsum(a, b, out, rows, cols, c0, c1),
-            _splits(cols, rows, threads),
+            _splits("colsum", cols, rows, threads),
         )
     return out
 
@@ -217,7 +242,9 @@ def add_bias(x: np.ndarray, bias: np.ndarray, *, threads: int | None = None) -> 
         return nn_reference.add_bias(x, bias)
     rows, n = x.shape
     if x.size:
-        run_ranges(lambda r0, r1: _nn.add_bias(x, bias, r0, r1, n), _splits(rows, n, threads))
+        run_ranges(
+            lambda r0, r1: _nn.add_bias(x, bias, r0, r1, n), _splits("add_bias", rows, n, threads)
+        )
     return x
 
 
@@ -241,7 +268,7 @@ def softmax(s: np.ndarray, scale: float, causal: bool, *, threads: int | None = 
         sc = float(np.float32(scale))
         run_ranges(
             lambda r0, r1: _nn.softmax_fwd(s, sc, bool(causal), p, r0, r1, n),
-            _splits(rows, n, threads),
+            _splits("softmax", rows, n, threads),
         )
     return p
 
@@ -261,7 +288,7 @@ def softmax_backward(
         sc = float(np.float32(scale))
         run_ranges(
             lambda r0, r1: _nn.softmax_bwd(p, dp, sc, bool(causal), ds, r0, r1, n),
-            _splits(rows, n, threads),
+            _splits("softmax_backward", rows, n, threads),
         )
     return ds
 
@@ -283,7 +310,7 @@ def cross_entropy(
     loss, dlogits = np.empty(rows, np.float32), np.empty_like(logits)
     run_ranges(
         lambda r0, r1: _nn.cross_entropy(logits, targets, float(count), loss, dlogits, r0, r1, n),
-        _splits(rows, n, threads),
+        _splits("cross_entropy", rows, n, threads),
     )
     return float(np.float32(_nn.total(loss)) / count), dlogits
 
@@ -305,7 +332,7 @@ def global_norm(tensors: list[np.ndarray], *, threads: int | None = None) -> flo
             sums[i] = sumsq(tensors[i])
 
     total_size = sum(t.size for t in tensors)
-    run_ranges(part, _splits(len(tensors), total_size // max(1, len(tensors)), threads))
+    run_ranges(part, _splits("sumsq", len(tensors), total_size // max(1, len(tensors)), threads))
     total = 0.0
     for s in sums:
         total += s
@@ -335,7 +362,7 @@ def adamw(
     scalars = tuple(float(x) for x in h)
     run_ranges(
         lambda e0, e1: _nn.adamw(p, g, m, v, p_out, m_out, v_out, e0, e1, scalars, bool(decay)),
-        _splits(p.size, 1, threads),
+        _splits("adamw", p.size, 1, threads),
     )
     return p_out, m_out, v_out
 

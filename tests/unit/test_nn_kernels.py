@@ -131,7 +131,7 @@ def test_minus_infinity_scores_and_huge_values_match_the_twin(instruction_set, r
 
 @pytest.mark.parametrize("op", sorted(OPS))
 def test_thread_count_never_changes_a_bit(op, rng, monkeypatch):
-    monkeypatch.setattr(nn, "_MIN_WORK_PER_THREAD", 1)  # split even small arrays
+    monkeypatch.setattr(nn, "_MIN_NS_PER_THREAD", 1)  # split even small arrays
     for rows, n in [(1, 33), (7, 33), (64, 100)]:
         d = inputs(rng, rows, n)
         results = [flat_bits(OPS[op](nn, d, threads)) for threads in (1, 2, 3)]
@@ -288,7 +288,7 @@ def train(directory: Path, steps: int) -> dict[str, bytes]:
 
 
 def test_local_training_is_bitwise_the_same_for_1_2_and_3_kernel_threads(tmp_path, monkeypatch):
-    monkeypatch.setattr(nn, "_MIN_WORK_PER_THREAD", 1)  # split every kernel call
+    monkeypatch.setattr(nn, "_MIN_NS_PER_THREAD", 1)  # split every kernel call
     runs = []
     for threads in (1, 2, 3):
         monkeypatch.setenv("TILEHIVE_MODEL_THREADS", str(threads))
@@ -297,3 +297,12 @@ def test_local_training_is_bitwise_the_same_for_1_2_and_3_kernel_threads(tmp_pat
     # And the numpy twins of every kernel (GEMM included) train to the same bits.
     monkeypatch.setenv("TILEHIVE_KERNEL", "reference")
     assert train(tmp_path / "twin", steps=2) == runs[0]
+
+
+def test_a_call_too_small_to_pay_for_a_thread_runs_on_one():
+    """tiny-gpt's arrays are too small for a second thread to pay for its hand-off; a GELU of
+    the larger project's 2,048 x 512 is split, and never into more ranges than threads."""
+    assert nn._splits("add_bias", 512, 128, 2) == [(0, 512)]
+    assert nn._splits("layernorm_backward", 512, 512, 8) == [(0, 512)]
+    assert nn._splits("gelu", 2048, 512, 2) == [(0, 1024), (1024, 2048)]
+    assert len(nn._splits("adamw", 4096 * 2048, 1, 8)) == 8
