@@ -137,6 +137,7 @@ class PullLoop(CoordinatorSession):
         # takes longer than the round trips the answer needs (policy.ask_ahead): the
         # volunteer then never waits for the network between tiles.
         self.asking: asyncio.Future | None = None  # the work request in flight, if any
+        self.asked_busy = False  # the last work request went out with tiles still queued
         self.round_trips: deque[float] = deque(maxlen=ROUND_TRIPS_KEPT)
         self.flops_per_second = 0.0  # measured on the tiles computed so far
         self.leaving = False  # set when the session ends: no more asking ahead
@@ -235,6 +236,11 @@ class PullLoop(CoordinatorSession):
                 elif self.asking is None:
                     await self._flush()
         elif reply is not None and not reply["assignments"]:
+            if self.pending or self.asked_busy:
+                # No work *then*, to an ask sent while tiles were still queued: the
+                # coordinator may be waiting for those very tiles before it has more. Ask
+                # again now, with the reports riding and waiting for work, not after a rest.
+                return
             self.state = "idle"
             delay = self.idle.next_delay(at_least=float(reply.get("delay", 0.0)))
             self.note = f"no work; next ask in {delay:.1f}s"
@@ -246,6 +252,7 @@ class PullLoop(CoordinatorSession):
 
     async def _ask(self, room: int) -> dict[str, Any]:
         wait_for_work = self.long_poll and not self.queue
+        self.asked_busy = bool(self.queue)
         request_id = f"{self._session_id}-{next(self._requests)}"
         # Reports beyond one batch go first; the last batch carries the request, and the
         # answer to it comes back with the report's: one round trip per product, not two.

@@ -1,0 +1,90 @@
+"""The volunteer's pull loop against a scripted coordinator (a fake client, in this process)."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import Any
+
+import numpy as np
+
+import kernels
+from volunteer.backoff import Backoff
+from volunteer.cache import BlobCache
+from volunteer.client import compute_tile
+from volunteer.loop import PullLoop
+
+
+class NothingAfterTwoTiles:
+    """A coordinator whose first answer is two tiles, and every later one nothing: the
+    products after them wait for those tiles' reports, as a step's next product does."""
+
+    url = "http://coordinator.invalid"
+    token = "token"
+
+    def __init__(self) -> None:
+        rng = np.random.default_rng(0)
+        a = kernels.encode_array(rng.standard_normal((8, 4), np.float32))
+        b = kernels.encode_array(rng.standard_normal((4, 8), np.float32))
+        self.blobs = {kernels.blob_id(a): a, kernels.blob_id(b): b}
+        self.tiles = [self._assignment(f"r{i}", *self.blobs) for i in range(2)]
+        self.asks: list[dict[str, Any]] = []
+        self.reported: dict[str, float] = {}  # result id: when its report arrived
+
+    @staticmethod
+    def _assignment(result_id: str, a: str, b: str) -> dict[str, Any]:
+        return {
+            "result_id": result_id,
+            **{"m": 8, "n": 8, "k": 4, "trans_a": False, "trans_b": False},
+            **{"a": a, "b": b, "a_bytes": 0, "b_bytes": 0, "deadline_in": 600.0},
+            **{"upload": "tile", "hash_needed": False},
+        }
+
+    async def request_work(self, request_id: str, **message: Any) -> dict[str, Any]:
+        self.asks.append(message)
+        if len(self.asks) == 1:
+            return {"assignments": self.tiles, "blobs": self.blobs}
+        return {"assignments": [], "delay": 0.0}
+
+    async def report(self, batch: list[dict[str, Any]], work: dict | None) -> dict[str, Any]:
+        for report in batch:
+            self.reported[report["result_id"]] = time.monotonic()
+        answer: dict[str, Any] = {"results": [{"result_id": r["result_id"]} for r in batch]}
+        if work is not None:
+            answer["work"] = await self.request_work(**work)
+        return answer
+
+
+class SlowTiles(PullLoop):
+    """Each tile takes 50 ms: long enough that the loop asks for more while it computes."""
+
+    async def _kernel(self, assignment, a, b):
+        await asyncio.sleep(0.05)
+        output_hash, tile = compute_tile(assignment, a, b, hashed=False)
+        return output_hash, tile, 0.05
+
+
+async def test_finished_tiles_are_reported_at_once_after_an_answer_without_work():
+    """An ask sent while a tile was still queued is answered with no work (the coordinator
+    has none until that tile comes back). The volunteer must then report the tile and ask
+    again, not rest its idle backoff (a minute here) holding the tile the step waits for."""
+    coordinator = NothingAfterTwoTiles()
+    loop = SlowTiles(
+        coordinator,  # type: ignore[arg-type]
+        name="v",
+        cache=BlobCache(1 << 20),
+        gflops=1e-6,  # so every tile outlasts the round trips: it asks ahead
+        idle=Backoff(base=60.0, cap=60.0),
+    )
+    stop = asyncio.Event()
+    session = asyncio.ensure_future(loop.session(stop))
+    try:
+        deadline = time.monotonic() + 10.0
+        while len(coordinator.reported) < 2 and time.monotonic() < deadline:
+            await asyncio.sleep(0.01)
+    finally:
+        stop.set()
+        loop.cancel()
+        await asyncio.wait_for(session, timeout=10.0)
+    assert sorted(coordinator.reported) == ["r0", "r1"]
+    assert any(ask["in_progress"] == ["r1"] for ask in coordinator.asks), "never asked ahead"
