@@ -8,8 +8,8 @@ changed copy, which the coordinator's state keeps and the store persists.
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any, Self
 
 import msgpack
@@ -238,9 +238,10 @@ def _copier(cls: type) -> Callable[[Any, dict[str, object]], Any]:
     ]
     for i, name in enumerate(names):
         scope[f"set_{i}"] = cls.__dict__[name].__set__  # the slot's member descriptor
-        lines.append(f"    set_{i}(copied, changes[{name!r}] if {name!r} in changes else record.{name})")
+        value = f"changes[{name!r}] if {name!r} in changes else record.{name}"
+        lines.append(f"    set_{i}(copied, {value})")
     lines.append("    return copied")
-    exec("\n".join(lines), scope)  # noqa: S102 - our own field names, checked identifiers
+    exec("\n".join(lines), scope)
     return scope["copy"]  # type: ignore[return-value]
 
 
