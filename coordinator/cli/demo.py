@@ -89,6 +89,10 @@ BUSY_MEANING = (
 def run_demo(
     volunteers: int, steps: int, directory: Path | None, keep: bool, wait: bool = True
 ) -> None:
+    # Ctrl-C stops the demo and everything it started, even when it was started from a
+    # shell that ignores SIGINT in background jobs (Python then installs no handler of its
+    # own, and the demo would train on, deaf to the signal).
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     temporary = directory is None
     directory = Path(tempfile.mkdtemp(prefix="tilehive-demo-")) if temporary else directory
     if not (directory / projects.PROJECT_FILE).exists():

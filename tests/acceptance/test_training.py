@@ -163,6 +163,9 @@ async def test_ctrl_c_stops_the_demo_and_every_process_it_started(tmp_path):
         stderr=subprocess.DEVNULL,
         cwd=ROOT,
         env=ENV,
+        # As a shell's background job starts it: SIGINT ignored, so Python would install no
+        # handler of its own. Ctrl-C must still stop the demo.
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN),
     )
     try:
         metrics = directory / "train.jsonl"
