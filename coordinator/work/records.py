@@ -8,6 +8,7 @@ changed copy, which the coordinator's state keeps and the store persists.
 from __future__ import annotations
 
 import enum
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Self
@@ -212,14 +213,10 @@ def evolve_record(record: Any, changes: dict[str, object]) -> Any:
     """`dataclasses.replace` for the frozen, slotted records (these and events), at a third of
     its cost: a result changes several times in a report's life, and replace() runs the whole
     __init__. The records have no __post_init__, so copying the slots is the same record."""
-    cls = type(record)
-    copier = _COPIERS.get(cls) or _COPIERS.setdefault(cls, _copier(cls))
-    return copier(record, changes)
+    return _copier(type(record))(record, changes)
 
 
-_COPIERS: dict[type, Callable[[Any, dict[str, object]], Any]] = {}
-
-
+@functools.cache
 def _copier(cls: type) -> Callable[[Any, dict[str, object]], Any]:
     """A function that copies a `cls` record with `changes`, written out field by field.
 
