@@ -237,14 +237,17 @@ static void pack_b(th_operand b, ptrdiff_t p0, ptrdiff_t kc, ptrdiff_t j0, ptrdi
                     dst[p * nr + jj] = 0.0f;
             }
         } else {
-            for (ptrdiff_t jj = 0; jj < cols; jj++) {
-                const float *src = b.data + p0 * b.rs + (j0 + jr + jj) * b.cs;
-                for (ptrdiff_t p = 0; p < kc; p++)
-                    dst[p * nr + jj] = src[p * b.rs];
-            }
-            for (ptrdiff_t p = 0; p < kc; p++)
+            /* A step of k at a time, its nr floats stored side by side: one column at a
+             * time stored every nr-th float, 8-11% slower on the attention's products. */
+            const float *src = b.data + p0 * b.rs + (j0 + jr) * b.cs;
+            for (ptrdiff_t p = 0; p < kc; p++) {
+                const float *row = src + p * b.rs;
+                float *out = dst + p * nr;
+                for (ptrdiff_t jj = 0; jj < cols; jj++)
+                    out[jj] = row[jj * b.cs];
                 for (ptrdiff_t jj = cols; jj < nr; jj++)
-                    dst[p * nr + jj] = 0.0f;
+                    out[jj] = 0.0f;
+            }
         }
     }
 }
@@ -264,14 +267,19 @@ static void edge_tile(const th_kernel *kr, ptrdiff_t kc, const float *Ap, const 
         memcpy(C + i * ldc, tmp + i * kr->nr, (size_t)cols * sizeof(float));
 }
 
+/* On the bits, without a branch, so that the compiler vectorizes it: a float compare and
+ * a store per NaN was a seventh of a small product's time. A NaN is an all-ones exponent
+ * with a nonzero mantissa, whatever its sign. */
+typedef uint32_t __attribute__((may_alias)) th_bits;
+
 static void canonicalize_nans(float *c, ptrdiff_t ldc, ptrdiff_t m0, ptrdiff_t m1, ptrdiff_t n)
 {
-    const uint32_t canonical = TH_CANONICAL_NAN;
     for (ptrdiff_t i = m0; i < m1; i++) {
-        float *row = c + i * ldc;
-        for (ptrdiff_t j = 0; j < n; j++)
-            if (row[j] != row[j])
-                memcpy(row + j, &canonical, sizeof(canonical));
+        th_bits *row = (th_bits *)(c + i * ldc);
+        for (ptrdiff_t j = 0; j < n; j++) {
+            const uint32_t v = row[j];
+            row[j] = (v & 0x7fffffffu) > 0x7f800000u ? TH_CANONICAL_NAN : v;
+        }
     }
 }
 

@@ -165,6 +165,27 @@ def test_nan_and_inf_propagate(rng):
     assert np.array_equal(bits(c), bits(reference.gemm(a, b)))
 
 
+@pytest.mark.parametrize("pattern", [0xFFC00000, 0x7F800001, 0xFFFFFFFF, 0x7FBFFFFF])
+def test_a_nan_of_any_sign_and_payload_comes_out_canonical(rng, pattern):
+    """The payload a NaN carries through an FMA is the hardware's choice: whatever it is,
+    the tile holds 0x7fc00000, and infinities and the largest floats stay as they are."""
+    a, b = operands(rng, 20, 40, 8, False, False)
+    a.view(np.uint32)[3, 5] = pattern  # as bits: a signalling NaN would raise on a cast
+    a[7, :] = 0.0
+    a[7, 0] = np.inf
+    b[0, :] = np.abs(b[0, :]) + 1
+    a[9, :] = 0.0
+    a[9, 0] = np.finfo(np.float32).max
+    b[0, 2] = 1.0
+    c = kernels.gemm(a, b)
+    assert set(bits(c[3]).tolist()) == {0x7FC00000}
+    assert np.isposinf(c[7]).all()
+    assert c[9, 2] == np.finfo(np.float32).max
+    with np.errstate(invalid="ignore"):  # numpy's twin casts the signalling NaNs
+        twin = reference.gemm(a, b)
+    assert np.array_equal(bits(c), bits(twin))
+
+
 def test_out_receives_the_product_even_inside_a_larger_array(rng):
     a, b = operands(rng, 9, 11, 7, False, True)
     big = np.full((20, 30), 7.0, np.float32)
