@@ -271,7 +271,12 @@ class Products:
             # named by the operand's id, already hashed: each blob is hashed once.
             named = [gemm.a_id if len(rows) == 1 else None] * len(rows)
             named += [gemm.b_id if len(cols) == 1 else None] * len(cols)
-            encoded = [kernels.array_blob(p) for p in (*rows, *cols)]
+            # A whole operand already in memory (a weight both micro-batches multiply, an
+            # output gradient both products of its layer take) is not encoded again.
+            encoded = [
+                (name and self.blobs.in_memory(name)) or kernels.array_blob(p)
+                for p, name in zip((*rows, *cols), named, strict=True)
+            ]
             ids = self.blobs.put_many(
                 list(zip(encoded, named, strict=True)),
                 keep=True,
