@@ -237,8 +237,8 @@ static void pack_b(th_operand b, ptrdiff_t p0, ptrdiff_t kc, ptrdiff_t j0, ptrdi
                     dst[p * nr + jj] = 0.0f;
             }
         } else {
-            /* A step of k at a time, its nr floats stored side by side: one column at a
-             * time stored every nr-th float, 8-11% slower on the attention's products. */
+            /* A step of k at a time, its nr floats stored side by side, rather than one
+             * column at a time with a store every nr-th float (docs/kernels.md). */
             const float *src = b.data + p0 * b.rs + (j0 + jr) * b.cs;
             for (ptrdiff_t p = 0; p < kc; p++) {
                 const float *row = src + p * b.rs;
