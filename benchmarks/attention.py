@@ -5,10 +5,11 @@ Run:  .venv/bin/python benchmarks/attention.py [--repeats N]
 The attention runs on the coordinator, in `--local` and distributed runs alike, and in a
 distributed step it sits between two products on the chain the volunteers wait for. This
 prints, side by side in one run:
-- cutting Q, K and V out of the QKV product by head, in one strided pass (what
-  `TinyGPT.attention` does) against one pass per slice (what it did before);
-- joining dQ, dK and dV back into dQKV's columns in one write each (`attention_backward`)
-  against reshaping each and concatenating them (before);
+- cutting Q, K and V out of the QKV product by head, in one strided pass
+  (`training/model.py: split_heads`) against one pass per slice (the way before, written
+  out here);
+- joining dQ, dK and dV back into dQKV's columns in one write each (`join_heads`) against
+  reshaping each and concatenating them (before);
 - the per-head products (`kernels.batched_gemm`, 1 thread) against numpy's matmul of the
   same shapes, in GFLOPS.
 """
@@ -28,6 +29,7 @@ sys.path.insert(0, os.path.dirname(_HERE))
 import numpy as np  # noqa: E402
 
 import kernels  # noqa: E402
+from coordinator.training.model import join_heads, split_heads  # noqa: E402
 
 # A micro-batch of the larger project: 16 sequences of 128 tokens, 8 heads of 64.
 BATCH, CONTEXT, HEADS, HEAD_WIDTH = 16, 128, 8, 64
@@ -52,26 +54,10 @@ def split_per_slice(qkv: np.ndarray) -> list[np.ndarray]:
     ]
 
 
-def split_in_one_pass(qkv: np.ndarray) -> np.ndarray:
-    b, t, h, dh = BATCH, CONTEXT, HEADS, HEAD_WIDTH
-    return np.ascontiguousarray(qkv.reshape(b, t, 3, h, dh).transpose(2, 0, 3, 1, 4)).reshape(
-        3, b * h, t, dh
-    )
-
-
 def join_by_concatenating(parts: list[np.ndarray]) -> np.ndarray:
     b, t, h, dh, d = BATCH, CONTEXT, HEADS, HEAD_WIDTH, WIDTH
     flat = [x.reshape(b, h, t, dh).transpose(0, 2, 1, 3).reshape(b * t, d) for x in parts]
     return np.ascontiguousarray(np.concatenate(flat, axis=1))
-
-
-def join_into_columns(parts: list[np.ndarray]) -> np.ndarray:
-    b, t, h, dh, d = BATCH, CONTEXT, HEADS, HEAD_WIDTH, WIDTH
-    out = np.empty((b * t, 3 * d), np.float32)
-    columns = out.reshape(b, t, 3, h, dh)
-    for i, x in enumerate(parts):
-        columns[:, :, i] = x.reshape(b, h, t, dh).transpose(0, 2, 1, 3)
-    return out
 
 
 def main() -> None:
@@ -80,13 +66,17 @@ def main() -> None:
     args = parser.parse_args()
     rng = np.random.default_rng(0)
     qkv = rng.standard_normal((BATCH * CONTEXT, 3 * WIDTH)).astype(np.float32)
-    parts = list(split_in_one_pass(qkv))
+    parts = list(split_heads(qkv, BATCH, HEADS))
     assert all(map(np.array_equal, split_per_slice(qkv), parts))
-    assert np.array_equal(join_by_concatenating(parts), join_into_columns(parts))
+    assert np.array_equal(join_by_concatenating(parts), join_heads(*parts, BATCH, HEADS))
     print(f"one micro-batch: {BATCH} x {CONTEXT} tokens, {HEADS} heads of {HEAD_WIDTH}")
     for what, before, now in [
-        ("split QKV by head", lambda: split_per_slice(qkv), lambda: split_in_one_pass(qkv)),
-        ("join dQKV", lambda: join_by_concatenating(parts), lambda: join_into_columns(parts)),
+        ("split QKV by head", lambda: split_per_slice(qkv), lambda: split_heads(qkv, BATCH, HEADS)),
+        (
+            "join dQKV",
+            lambda: join_by_concatenating(parts),
+            lambda: join_heads(*parts, BATCH, HEADS),
+        ),
     ]:
         old, new = seconds(before, args.repeats), seconds(now, args.repeats)
         print(
@@ -95,10 +85,13 @@ def main() -> None:
     q, k, v = parts
     att = rng.random((BATCH * HEADS, CONTEXT, CONTEXT)).astype(np.float32)
     for name, a, b, ta, tb in [
+        # The attention's six products (dY, dA and dS stand in with arrays of their shapes).
         ("Q @ K^T", q, k, False, True),
         ("A @ V", att, v, False, False),
+        ("dY @ V^T", q, v, False, True),
         ("A^T @ dY", att, q, True, False),
         ("dS @ K", att, k, False, False),
+        ("dS^T @ Q", att, q, True, False),
     ]:
         m = a.shape[2] if ta else a.shape[1]
         n = b.shape[1] if tb else b.shape[2]

@@ -169,6 +169,29 @@ def softmax_rows(s):
     return e / e.sum(axis=-1, keepdims=True)
 
 
+def split_heads(qkv: np.ndarray, batch: int, heads: int) -> np.ndarray:
+    """Q, K and V per head, shaped (3, batch * heads, t, head width), from the (batch * t,
+    3 * width) QKV product: one strided pass over it, not one pass per slice."""
+    t, dh = qkv.shape[0] // batch, qkv.shape[1] // (3 * heads)
+    return np.ascontiguousarray(
+        qkv.reshape(batch, t, 3, heads, dh).transpose(2, 0, 3, 1, 4)
+    ).reshape(3, batch * heads, t, dh)
+
+
+def join_heads(
+    dq: np.ndarray, dk: np.ndarray, dv: np.ndarray, batch: int, heads: int
+) -> np.ndarray:
+    """split_heads backwards: dQKV (batch * t, 3 * width) from the per-head gradients, each
+    written once into its columns (reshaping each and concatenating them copied everything
+    twice, 1.5-2x as long: benchmarks/attention.py)."""
+    t, dh = dq.shape[1], dq.shape[2]
+    dqkv = np.empty((batch * t, 3 * heads * dh), dq.dtype)
+    columns = dqkv.reshape(batch, t, 3, heads, dh)
+    for i, x in enumerate((dq, dk, dv)):
+        columns[:, :, i] = x.reshape(batch, heads, t, dh).transpose(0, 2, 1, 3)
+    return dqkv
+
+
 class TinyGPT:
     def __init__(self, settings: ModelSettings, backend: Backend) -> None:
         self.s = settings
@@ -190,10 +213,7 @@ class TinyGPT:
         s, bmm = self.s, self.backend.batched
         t, h, d = s.context, s.heads, s.width
         dh = d // h
-        # Q, K and V cut out by head in one strided pass over QKV, not one pass each.
-        q, k, v = np.ascontiguousarray(
-            qkv.reshape(batch, t, 3, h, dh).transpose(2, 0, 3, 1, 4)
-        ).reshape(3, batch * h, t, dh)
+        q, k, v = split_heads(qkv, batch, h)
         scale = qkv.dtype.type(1.0 / np.sqrt(dh))
         if _kernels(qkv):
             # The mask is by index: the kernel never reads a future position's score.
@@ -225,13 +245,7 @@ class TinyGPT:
             dscores = att * (datt - (datt * att).sum(axis=-1, keepdims=True)) * scale
         dq = bmm(dscores, k)
         dk = bmm(dscores, q, trans_a=True)
-        # Each gradient written once, straight into its columns of dQKV: reshaping each
-        # and concatenating copied everything twice (1.5-2x as long: benchmarks/attention.py).
-        dqkv = np.empty((batch * t, 3 * d), dq.dtype)
-        columns = dqkv.reshape(batch, t, 3, h, dh)
-        for i, x in enumerate((dq, dk, dv)):
-            columns[:, :, i] = x.reshape(batch, h, t, dh).transpose(0, 2, 1, 3)
-        return dqkv
+        return join_heads(dq, dk, dv, batch, h)
 
     async def forward(self, params: Params, tokens: np.ndarray):
         """Logits for (batch, context) byte tokens, and what backward needs."""

@@ -238,7 +238,7 @@ def _copier(cls: type) -> Callable[[Any, dict[str, object]], Any]:
         value = f"changes[{name!r}] if {name!r} in changes else record.{name}"
         lines.append(f"    set_{i}(copied, {value})")
     lines.append("    return copied")
-    exec("\n".join(lines), scope)
+    exec("\n".join(lines), scope)  # our own field names: identifiers, never input
     return scope["copy"]  # type: ignore[return-value]
 
 

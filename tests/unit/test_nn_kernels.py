@@ -14,7 +14,7 @@ import pytest
 import kernels
 from coordinator.training import checkpoints
 from coordinator.training import project as projects
-from coordinator.training.model import TinyGPT, init_params
+from coordinator.training.model import TinyGPT, init_params, join_heads, split_heads
 from coordinator.training.project import ModelSettings
 from coordinator.training.trainer import LocalBackend, Trainer
 from kernels import _nn, nn, nn_reference
@@ -306,3 +306,19 @@ def test_a_call_too_small_to_pay_for_a_thread_runs_on_one():
     assert nn._splits("layernorm_backward", 512, 512, 8) == [(0, 512)]
     assert nn._splits("gelu", 2048, 512, 2) == [(0, 1024), (1024, 2048)]
     assert len(nn._splits("adamw", 4096 * 2048, 1, 8)) == 8
+
+
+def test_heads_are_cut_out_of_qkv_and_put_back_in_place(rng):
+    """Head j of Q is columns [j*dh, (j+1)*dh) of QKV's first third, for every sequence;
+    join_heads puts each head's gradient back where split_heads took it from."""
+    batch, t, heads, dh = 3, 5, 4, 2
+    qkv = rng.standard_normal((batch * t, 3 * heads * dh)).astype(np.float32)
+    q, k, v = split_heads(qkv, batch, heads)
+    assert q.shape == (batch * heads, t, dh) and q.flags.c_contiguous
+    d = heads * dh
+    for part, x in enumerate((q, k, v)):
+        for b in range(batch):
+            for j in range(heads):
+                columns = slice(part * d + j * dh, part * d + (j + 1) * dh)
+                assert np.array_equal(x[b * heads + j], qkv[b * t : (b + 1) * t, columns])
+    assert np.array_equal(join_heads(q, k, v, batch, heads), qkv)
