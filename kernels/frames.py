@@ -21,6 +21,7 @@ import struct
 from typing import Any
 
 import msgpack
+import numpy as np
 
 CONTENT_TYPE = "application/x-tilehive-frames"
 MAGIC = b"THF1"
@@ -60,6 +61,13 @@ class Trailer:
         if isinstance(value, list | tuple):
             return [self.moved(v) for v in value]
         return value
+
+
+def body_buffer(size: int) -> memoryview:
+    """A writable buffer of `size` bytes for a body about to be read into it, left as the
+    allocator gives it: `bytearray(size)` first writes zeros over all of it, a pass over
+    every byte (and, for a fresh allocation, every page) that the body then overwrites."""
+    return memoryview(np.empty(size, np.uint8))
 
 
 def frame(document: bytes, trailer: Trailer) -> list[Buffer]:

@@ -34,16 +34,18 @@ def check_url(url: str) -> str:
     return url.rstrip("/")
 
 
-def answer(status: int, content_type: str, body: bytes) -> str:
+def answer(status: int, content_type: str, body: bytes | memoryview) -> str:
     """What a server answered, in a few words for an error line."""
-    start = body[:40].decode("utf-8", "replace").strip()
+    start = bytes(body[:40]).decode("utf-8", "replace").strip()
     more = "..." if len(body) > 40 else ""
     return f"{status} {content_type or 'without a content type'}" + (
         f" ({start!r}{more})" if start else ""
     )
 
 
-def not_tilehive(url: str, request: str, status: int, content_type: str, body: bytes) -> str:
+def not_tilehive(
+    url: str, request: str, status: int, content_type: str, body: bytes | memoryview
+) -> str:
     """The error line for a reply that no tilehive coordinator would give."""
     said = answer(status, content_type, body)
     return f"{url} is not a tilehive coordinator: {request} answered {said}"

@@ -102,7 +102,7 @@ class CoordinatorClient:
             return self._decode(resp, payload, f"POST {path}")
 
     def _decode(
-        self, resp: aiohttp.ClientResponse, payload: bytes | bytearray, request: str
+        self, resp: aiohttp.ClientResponse, payload: bytes | bytearray | memoryview, request: str
     ) -> dict[str, Any]:
         status, retry_after = resp.status, resp.headers.get("Retry-After")
         try:
@@ -171,7 +171,7 @@ class CoordinatorClient:
             message["gflops"] = gflops
         return await self._post("/v1/work", message)
 
-    async def fetch_blob(self, blob_id: str, *, max_bytes: int) -> bytes | bytearray:
+    async def fetch_blob(self, blob_id: str, *, max_bytes: int) -> bytes | bytearray | memoryview:
         """The blob's bytes, verified against its id (kernels.BlobMismatchError if not)."""
         too_large = f"blob over {max_bytes} bytes"
         async with self.session.get(
@@ -217,11 +217,10 @@ async def in_pieces(parts: list[bytes | memoryview]) -> AsyncIterator[memoryview
             yield view[start : start + PIECE_BYTES]
 
 
-async def read_into(stream: aiohttp.StreamReader, size: int) -> bytearray:
+async def read_into(stream: aiohttp.StreamReader, size: int) -> memoryview:
     """Exactly `size` bytes of a body, each chunk copied once into one buffer as it arrives
     (aiohttp.ClientPayloadError if the body ends first)."""
-    body = bytearray(size)
-    view = memoryview(body)
+    view = frames.body_buffer(size)
     got = 0
     while got < size:
         chunk, end_of_http_chunk = await stream.readchunk()
@@ -232,7 +231,7 @@ async def read_into(stream: aiohttp.StreamReader, size: int) -> bytearray:
         end = min(size, got + len(chunk))
         view[got:end] = chunk[: end - got]
         got = end
-    return body
+    return view
 
 
 def compute_tile(

@@ -149,11 +149,10 @@ async def read_body(request: web.Request, limit: int) -> dict:
     return protocol.decode(body, limit)
 
 
-async def read_into(stream: aiohttp.StreamReader, size: int) -> bytearray:
+async def read_into(stream: aiohttp.StreamReader, size: int) -> memoryview:
     """Exactly `size` bytes of a body, each chunk copied once into one buffer as it arrives
     (asyncio.IncompleteReadError if the body ends first)."""
-    body = bytearray(size)
-    view = memoryview(body)
+    view = frames.body_buffer(size)
     got = 0
     while got < size:
         chunk, end_of_http_chunk = await stream.readchunk()
@@ -164,7 +163,7 @@ async def read_into(stream: aiohttp.StreamReader, size: int) -> bytearray:
         end = min(size, got + len(chunk))
         view[got:end] = chunk[: end - got]
         got = end
-    return body
+    return view
 
 
 async def send_in_pieces(
