@@ -10,8 +10,11 @@ train DIR --local --threads 1` run made just before it. One volunteer cannot for
 of two hosts, so the runs with it use the Freivalds policy (one replica, checked). Seconds
 per step come from each run's DIR/train.jsonl as the median over steps 2.. (step 1 waits
 for the volunteers to start); the volunteers' busy share is their compute seconds over the
-seconds they ran, from their status files. Every run's last checkpoint must be bitwise
-equal to --local's: the benchmark checks it and says so (and exits 1 if not).
+seconds they ran, from their status files. Their threads' time waiting for a CPU (runnable,
+not running: Linux's /proc/PID/task/*/schedstat), over their time on one, says how long
+their kernel sat preempted by other threads (the coordinator's, their own network thread)
+on the two cores they share. Every run's last checkpoint must be bitwise equal to
+--local's: the benchmark checks it and says so (and exits 1 if not).
 """
 
 from __future__ import annotations
@@ -80,11 +83,43 @@ def busy_share(states: Path) -> float:
     return compute / ran if ran else 0.0
 
 
+class CpuWaits:
+    """Time the volunteers' threads ran on a CPU and waited in a run queue for one (Linux's
+    /proc/PID/task/*/schedstat), split into each process's main thread (its event loop: the
+    network, and tiles too small to be worth a thread) and the others (the kernel's).
+    Sampled while they run: the kernel's threads end before the process does, taking their
+    counters with them."""
+
+    def __init__(self, pids: list[int]) -> None:
+        self.pids = pids
+        self.seen: dict[tuple[int, int], tuple[int, int]] = {}  # (pid, tid) -> ns ran, waited
+
+    def sample(self) -> None:
+        for pid in self.pids:
+            for stat in Path(f"/proc/{pid}/task").glob("*/schedstat"):
+                try:
+                    ran, waited, _ = stat.read_text().split()
+                except (OSError, ValueError):
+                    continue  # the thread ended meanwhile
+                self.seen[pid, int(stat.parent.name)] = (int(ran), int(waited))
+
+    def shares(self) -> tuple[float, float] | None:
+        """(kernel threads, main threads): time waiting for a CPU over time on one; None
+        where the kernel does not say (not Linux)."""
+        totals = {True: [0, 0], False: [0, 0]}
+        for (pid, tid), (ran, waited) in self.seen.items():
+            totals[pid == tid][0] += ran
+            totals[pid == tid][1] += waited
+        if not totals[False][0] or not totals[True][0]:
+            return None
+        return totals[False][1] / totals[False][0], totals[True][1] / totals[True][0]
+
+
 def train_distributed(
     directory: Path, volunteers: int, timeout: float, options: tuple[str, ...] = ()
-) -> float:
+) -> tuple[float, tuple[float, float] | None]:
     """Train with `volunteers` daemons on loopback (`options`: the coordinator's flags);
-    returns their busy share."""
+    returns their busy share and their threads' waits for a CPU (CpuWaits.shares)."""
     port = serve_switched.free_port()
     url = f"http://127.0.0.1:{port}"
     log = directory.parent / f"{directory.name}.log"
@@ -99,8 +134,17 @@ def train_distributed(
     # The daemons retry until the coordinator answers; step 1 waits for them.
     states = directory.parent / f"{directory.name}-volunteers"
     crew = serve_switched.start_volunteers(url, states, volunteers)
+    waits = CpuWaits([volunteer.pid for volunteer in crew])
+    deadline = time.monotonic() + timeout
     try:
-        code = coordinator.wait(timeout)
+        while True:
+            waits.sample()
+            try:
+                code = coordinator.wait(min(0.5, max(0.0, deadline - time.monotonic())))
+                break
+            except subprocess.TimeoutExpired:
+                if time.monotonic() >= deadline:
+                    raise
     except subprocess.TimeoutExpired:
         coordinator.kill()
         coordinator.wait()
@@ -112,7 +156,7 @@ def train_distributed(
             coordinator.wait()
     if code != 0:
         raise RuntimeError(f"tilehive coordinator exited with {code}: {log.read_text()[-2000:]}")
-    return busy_share(states)
+    return busy_share(states), waits.shares()
 
 
 LARGER = {
@@ -160,7 +204,7 @@ def run(quick: bool = False, models: tuple[str, ...] = ("tiny-gpt", "larger")) -
                 reference = reference or checkpoint_bits(local / last)
                 directory = workdir / f"{model}-{volunteers}v-{policy}"
                 projects.create(directory, **settings, **{"work.policy": policy})
-                busy = train_distributed(directory, volunteers, timeout=1800)
+                busy, waited = train_distributed(directory, volunteers, timeout=1800)
                 equal = checkpoint_bits(directory / last) == reference
                 equal = equal and checkpoint_bits(local / last) == reference
                 if not equal:
@@ -170,6 +214,12 @@ def run(quick: bool = False, models: tuple[str, ...] = ("tiny-gpt", "larger")) -
                 ratio = seconds / local_step
                 bar = BARS[model]
                 plural = "s" if volunteers > 1 else ""
+                waits = (
+                    ""
+                    if waited is None
+                    else f"; their kernel's threads waited for a CPU {100 * waited[0]:.0f}% as "
+                    f"long as they ran on one, their network threads {100 * waited[1]:.0f}%"
+                )
                 rows.append(
                     Row(
                         "training",
@@ -180,7 +230,7 @@ def run(quick: bool = False, models: tuple[str, ...] = ("tiny-gpt", "larger")) -
                         verdict=verdict(ratio <= bar),
                         note=f"{seconds:.3f} s per step on loopback against {local_step:.3f} s "
                         f"for --local just before it; volunteers busy {100 * busy:.0f}% of the "
-                        "time they ran",
+                        f"time they ran{waits}",
                     )
                 )
     rows.append(
