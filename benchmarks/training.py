@@ -10,12 +10,13 @@ train DIR --local --threads 1` run made just before it. One volunteer cannot for
 of two hosts, so the runs with it use the Freivalds policy (one replica, checked). Seconds
 per step come from each run's DIR/train.jsonl as the median over steps 2.. (step 1 waits for
 the volunteers to start); the runs with one volunteer, which the bars judge, are PAIRS pairs
-in turn, and their row gives the median pair. The volunteers' busy share is their compute
-seconds over the seconds they ran, from their status files. Their threads' time waiting for
-a CPU (runnable, not running: Linux's /proc/PID/task/*/schedstat), over their time on one,
-says how long their kernel sat preempted by other threads (the coordinator's, their own
-network thread) on the two cores they share. Every run's last checkpoint must be bitwise
-equal to --local's: the benchmark checks it and says so (and exits 1 if not).
+in turn (one with --quick), and their row gives the median pair. The volunteers' busy share
+is their compute seconds over the seconds they ran, from their status files. Their threads'
+time waiting for a CPU (runnable, not running: Linux's /proc/PID/task/*/schedstat), over
+their time on one, says how long their kernel sat preempted by other threads (the
+coordinator's, their own network thread) on the two cores they share; tiny-gpt's tiles
+mostly run on the main thread. Every run's last checkpoint must be bitwise equal to
+--local's: the benchmark checks it and says so (and exits 1 if not).
 """
 
 from __future__ import annotations
@@ -149,6 +150,7 @@ def train_distributed(
             except subprocess.TimeoutExpired:
                 if time.monotonic() >= deadline:
                     raise
+        waits.sample()  # the last half second's counters too
     except subprocess.TimeoutExpired:
         coordinator.kill()
         coordinator.wait()
@@ -241,13 +243,17 @@ def training_row(
     pairs: list[tuple[float, float, float, float, tuple[float, float] | None]],
 ) -> Row:
     """One row from pairs of (ratio, distributed step, --local step, busy share, CPU
-    waits): the median pair's figures, and every pair's ratio when there are several."""
-    ratio, seconds, local_step, busy, waited = sorted(pairs)[len(pairs) // 2]
+    waits): the median pair's figures (all of them that pair's), and every pair's ratio
+    when there are several."""
+    ratio, seconds, local_step, busy, waited = sorted(pairs, key=lambda pair: pair[0])[
+        (len(pairs) - 1) // 2
+    ]
     waits = (
         ""
         if waited is None
-        else f"; their kernel's threads waited for a CPU {100 * waited[0]:.0f}% as "
-        f"long as they ran on one, their network threads {100 * waited[1]:.0f}%"
+        else f"; their worker threads (the kernel) waited for a CPU {100 * waited[0]:.0f}% "
+        f"as long as they ran on one, their main threads (the network, and tiles too small "
+        f"for a thread) {100 * waited[1]:.0f}%"
     )
     ratios = ", ".join(f"{pair[0]:.2f}" for pair in pairs)
     each = f"median of {len(pairs)} pairs run in turn: {ratios}; " if len(pairs) > 1 else ""

@@ -66,7 +66,7 @@ class Trailer:
 def body_buffer(size: int) -> memoryview:
     """A writable buffer of `size` bytes for a body about to be read into it, left as the
     allocator gives it: `bytearray(size)` first writes zeros over all of it, a pass over
-    every byte (and, for a fresh allocation, every page) that the body then overwrites."""
+    every byte that the body then overwrites."""
     return memoryview(np.empty(size, np.uint8))
 
 

@@ -8,13 +8,15 @@ import functools
 from collections import OrderedDict
 from collections.abc import Awaitable, Callable
 
+from kernels.frames import Buffer
+
 
 class BlobCache:
     """Blob bytes by id, bounded in bytes; counts hits and misses for the status line."""
 
     def __init__(self, max_bytes: int) -> None:
         self.max_bytes = max_bytes
-        self._blobs: OrderedDict[str, bytes] = OrderedDict()
+        self._blobs: OrderedDict[str, Buffer] = OrderedDict()
         self.bytes = 0
         self.hits = 0
         self.misses = 0
@@ -22,7 +24,7 @@ class BlobCache:
     def __contains__(self, blob_id: str) -> bool:
         return blob_id in self._blobs
 
-    def get(self, blob_id: str, *, count: bool = True) -> bytes | None:
+    def get(self, blob_id: str, *, count: bool = True) -> Buffer | None:
         data = self._blobs.get(blob_id)
         if count:
             self.count(hit=data is not None)
@@ -37,7 +39,7 @@ class BlobCache:
         else:
             self.misses += 1
 
-    def put(self, blob_id: str, data: bytes) -> None:
+    def put(self, blob_id: str, data: Buffer) -> None:
         """Keep a blob (already verified by the caller); too large a blob is not kept."""
         size = self._size(data)
         if blob_id in self._blobs or size > self.max_bytes:
@@ -48,7 +50,7 @@ class BlobCache:
             _, evicted = self._blobs.popitem(last=False)
             self.bytes -= self._size(evicted)
 
-    def _size(self, value: bytes) -> int:
+    def _size(self, value: Buffer) -> int:
         """The bytes a kept value counts for (a model of a cache may keep less)."""
         return len(value)
 
@@ -69,12 +71,12 @@ class Downloads:
     tile dropped meanwhile does not cancel the download for the others."""
 
     def __init__(self) -> None:
-        self._running: dict[str, asyncio.Future[bytes]] = {}
+        self._running: dict[str, asyncio.Future[Buffer]] = {}
 
     def running(self, blob_id: str) -> bool:
         return blob_id in self._running
 
-    async def get(self, blob_id: str, download: Callable[[], Awaitable[bytes]]) -> bytes:
+    async def get(self, blob_id: str, download: Callable[[], Awaitable[Buffer]]) -> Buffer:
         running = self._running.get(blob_id)
         if running is None:
             running = asyncio.ensure_future(download())
@@ -82,7 +84,7 @@ class Downloads:
             running.add_done_callback(functools.partial(self._finished, blob_id))
         return await asyncio.shield(running)
 
-    def _finished(self, blob_id: str, done: asyncio.Future[bytes]) -> None:
+    def _finished(self, blob_id: str, done: asyncio.Future[Buffer]) -> None:
         if self._running.get(blob_id) is done:
             del self._running[blob_id]
         if not done.cancelled():

@@ -171,7 +171,7 @@ class CoordinatorClient:
             message["gflops"] = gflops
         return await self._post("/v1/work", message)
 
-    async def fetch_blob(self, blob_id: str, *, max_bytes: int) -> bytes | bytearray | memoryview:
+    async def fetch_blob(self, blob_id: str, *, max_bytes: int) -> frames.Buffer:
         """The blob's bytes, verified against its id (kernels.BlobMismatchError if not)."""
         too_large = f"blob over {max_bytes} bytes"
         async with self.session.get(
@@ -236,8 +236,8 @@ async def read_into(stream: aiohttp.StreamReader, size: int) -> memoryview:
 
 def compute_tile(
     assignment: dict[str, Any],
-    a_blob: bytes,
-    b_blob: bytes,
+    a_blob: frames.Buffer,
+    b_blob: frames.Buffer,
     *,
     threads: int = 1,
     hashed: bool = True,

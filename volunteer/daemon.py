@@ -17,6 +17,7 @@ from typing import Any
 import numpy as np
 
 import kernels
+from kernels.frames import Buffer
 from volunteer.address import NotACoordinator
 from volunteer.backoff import Backoff
 from volunteer.cache import BlobCache
@@ -176,7 +177,7 @@ class Volunteer(PullLoop):
         return 0.0
 
     async def _kernel(
-        self, assignment: dict[str, Any], a: bytes, b: bytes
+        self, assignment: dict[str, Any], a: Buffer, b: Buffer
     ) -> tuple[str | None, bytes, float]:
         started = time.perf_counter()
         compute = functools.partial(

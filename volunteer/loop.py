@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 import kernels
+from kernels.frames import Buffer
 from volunteer.backoff import Backoff
 from volunteer.cache import Downloads
 from volunteer.client import CoordinatorClient, ServerRefused
@@ -148,7 +149,7 @@ class PullLoop(CoordinatorSession):
 
     # ---- primitives and hooks: what a backend overrides ---------------------------------
 
-    async def _fetch(self, blob_id: str, limit: int) -> bytes:
+    async def _fetch(self, blob_id: str, limit: int) -> Buffer:
         """An operand's verified bytes from the coordinator."""
         return await self._call("blob", lambda: self.client.fetch_blob(blob_id, max_bytes=limit))
 
@@ -391,7 +392,7 @@ class PullLoop(CoordinatorSession):
             blobs.append(data)
         return blobs
 
-    async def _download(self, blob_id: str, limit: int) -> bytes:
+    async def _download(self, blob_id: str, limit: int) -> Buffer:
         data = await self._fetch(blob_id, limit)
         self.stats.bytes_down += len(data)
         self.cache.put(blob_id, data)

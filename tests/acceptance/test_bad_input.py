@@ -98,6 +98,12 @@ def html_404() -> Iterator[str]:
 
 
 @pytest.fixture
+def html_large() -> Iterator[str]:
+    """A page of more than a megabyte: the volunteer reads it into one buffer, in pieces."""
+    yield from serve(page(200, body=Page.body + b" " * (2 << 20)))
+
+
+@pytest.fixture
 def tls(tmp_path) -> Iterator[str]:
     """A web server speaking TLS (a self-signed certificate made with openssl)."""
     if shutil.which("openssl") is None:
@@ -146,7 +152,9 @@ def test_status_and_admin_refuse_a_malformed_url(url, reason):
 # ---- something else answers ----------------------------------------------------------------
 
 
-@pytest.mark.parametrize(("server", "status"), [("html", 200), ("html_404", 404)])
+@pytest.mark.parametrize(
+    ("server", "status"), [("html", 200), ("html_404", 404), ("html_large", 200)]
+)
 def test_a_volunteer_stops_at_another_web_server(tmp_path, request, server, status):
     url = request.getfixturevalue(server)
     result = tilehive("volunteer", "start", url, "--state-dir", str(tmp_path / "vol"))
