@@ -102,7 +102,7 @@ class CoordinatorClient:
             return self._decode(resp, payload, f"POST {path}")
 
     def _decode(
-        self, resp: aiohttp.ClientResponse, payload: bytes | bytearray | memoryview, request: str
+        self, resp: aiohttp.ClientResponse, payload: frames.Buffer, request: str
     ) -> dict[str, Any]:
         status, retry_after = resp.status, resp.headers.get("Retry-After")
         try:

@@ -144,7 +144,7 @@ def encode_with(message: dict[str, Any], key: str, encoded: bytes) -> bytes:
     return b"".join(parts)
 
 
-def decode(body: bytes | bytearray | memoryview, max_bytes: int) -> dict[str, Any]:
+def decode(body: frames.Buffer, max_bytes: int) -> dict[str, Any]:
     """A msgpack map from a request body, or BadRequest/TooLarge."""
     if len(body) > max_bytes:
         raise TooLarge(f"body of {len(body)} bytes exceeds this endpoint's limit of {max_bytes}")
@@ -157,7 +157,7 @@ def decode(body: bytes | bytearray | memoryview, max_bytes: int) -> dict[str, An
     return message
 
 
-def decode_frame(body: bytes | bytearray | memoryview, max_bytes: int) -> dict[str, Any]:
+def decode_frame(body: frames.Buffer, max_bytes: int) -> dict[str, Any]:
     """A framed map from a request body (kernels/frames.py: its large binaries are views of
     the body, not copies), or BadRequest/TooLarge."""
     if len(body) > max_bytes:
