@@ -7,6 +7,7 @@ The same loop runs `tilehive train --local` (products in-process) and `tilehive 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import time
@@ -180,7 +181,11 @@ class Trainer:
                 await reported
         finally:
             if reported is not None and not reported.done():
+                # Stopped: the steps trained are recorded now, without the evaluations
+                # still running (Trainer._report), before this returns.
                 reported.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await reported
         return params
 
     async def _report(
@@ -190,12 +195,16 @@ class Trainer:
         evaluation: asyncio.Task | None,
         on_step: Callable[[StepReport], None] | None,
     ) -> None:
-        """Record a step once the one before it is recorded and its evaluation is done."""
-        if previous is not None:
-            await previous
-        if evaluation is not None:
-            report.val_loss = await evaluation
-        self._record(report)
+        """Record a step once the one before it is recorded and its evaluation is done; if
+        training stops first, at once without its evaluation: a restart resumes after the
+        last checkpoint, so a step checkpointed and not recorded would be missing for good."""
+        try:
+            if previous is not None:
+                await previous
+            if evaluation is not None:
+                report.val_loss = await evaluation
+        finally:
+            self._record(report)
         if on_step:
             on_step(report)
 

@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import threading
 
+from coordinator.training import history
 from coordinator.training import project as projects
 from coordinator.training.trainer import LocalBackend, Trainer
 from tests.factories import SMALL
@@ -31,3 +34,39 @@ def test_the_work_is_committed_before_a_checkpoint_is_written_and_pruned_after(t
     trainer.on_checkpoint = after
     asyncio.run(trainer.run())
     assert seen == [("commit", False), ("prune 1", True), ("commit", True), ("prune 2", True)]
+
+
+def test_a_step_checkpointed_as_training_stops_is_in_the_history(tmp_path):
+    """A coordinator stopped just after a checkpoint resumes after that step, so the step's
+    line must be in train.jsonl by then, its evaluation done or not: else the history (and
+    `status`) lacks it for good."""
+    project = projects.create(
+        tmp_path / "p",
+        **{**SMALL, "training.steps": 4, "training.checkpoint_every": 1, "training.eval_every": 1},
+    )
+    trainer = Trainer(project, LocalBackend())
+    evaluated = threading.Event()  # evaluations (on their own threads) end when the test says
+
+    async def slow_evaluation(params, step: int) -> float:
+        await asyncio.to_thread(evaluated.wait)
+        return 0.0
+
+    async def stopped_after_step_two() -> None:
+        training = asyncio.create_task(trainer.run())
+
+        async def stop(step: int) -> None:
+            if step == 2:
+                training.cancel()
+
+        trainer.on_checkpoint = stop
+        trainer.evaluate = slow_evaluation
+        try:
+            with contextlib.suppress(asyncio.CancelledError):
+                await training
+        finally:
+            evaluated.set()
+
+    asyncio.run(stopped_after_step_two())
+    checkpointed = sorted(int(p.stem[5:]) for p in project.checkpoints.glob("step-??????.npz"))
+    assert checkpointed[:2] == [1, 2]
+    assert [r["step"] for r in history.read(trainer.metrics)] == checkpointed
