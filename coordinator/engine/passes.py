@@ -40,8 +40,9 @@ from validation import freivalds
 log = logging.getLogger(__name__)
 
 # A pass's decisions (verdicts, assimilated tiles, finished products) promise nobody anything
-# until a reply or a caller depends on them: they wait this long for the next handler's
-# commit to take them along (one transaction a product, not three), and then go on their own.
+# until a reply or a caller depends on them: they wait this long for the next reply's commit
+# to take them along (one transaction a product, not three), and then go on their own. What
+# a reply promised (Ledger.commit_soon) is due at once: the next pass commits it.
 COMMIT_WINDOW = 0.1  # seconds
 
 
@@ -97,8 +98,11 @@ class Passes:
                 delay = 0
             self._wake.clear()
             if delay > 0:
+                # Not asyncio.wait_for: on Python 3.11 a wake and a cancel landing together
+                # make it return instead of raising, and the loop would outlive its stop.
                 with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(self._wake.wait(), timeout=delay)
+                    async with asyncio.timeout(delay):
+                        await self._wake.wait()
             else:
                 await asyncio.sleep(0)
 
