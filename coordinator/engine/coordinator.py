@@ -95,6 +95,7 @@ class Coordinator:
         self.progress.waiting = lambda: self.waiting.current
         self.requests.why_waiting = self.waiting.note
         self.ledger.on_unsent = self.requests.signal_work
+        self.ledger.on_promise = self.passes.wake
         # The background passes (validate, transition, assimilate, commit): they run until
         # stop() and end early only by failing, which whoever waits on the work must see.
         self.loop: asyncio.Task | None = None

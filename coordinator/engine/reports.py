@@ -150,9 +150,9 @@ class Reports:
             summary[verdict].append(entry.result_id)
         self.ledger.put_host(self.ledger.hosts[host.id].evolve(last_contact=now))
         if request.work is None:
-            await self.ledger.flush()
+            self.ledger.commit_soon()
         # else: committed with the answer to the host's ask for work, in one transaction
-        # (server/api.py report), before either answer leaves.
+        # (server/api.py report), right after both answers leave.
         self.wake()
         return summary
 

@@ -233,7 +233,7 @@ class WorkRequests:
         durable = bool(assignments or plan.abort)
         self._remember(host.id, request.request_id, body, now, durable)
         if durable:
-            await self.ledger.flush()
+            self.ledger.commit_soon()
         # else it promises nothing: the host's last contact is committed with the next
         # commit, within the passes' window, and idle hosts do not queue behind commits.
         # The panels ride along on this answer only; a retry gets the stored answer

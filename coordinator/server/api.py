@@ -245,9 +245,9 @@ async def report(request: web.Request) -> web.Response:
         # Quarantined by this very report: the report stands, and the host hears why when
         # it asks for work on its own.
         work = None
-    # The report's changes went out with the answer's commit; a stored answer (a retry) or
-    # a refusal commits nothing, so this makes sure of it (free when nothing is queued).
-    await co.ledger.flush()
+    # The report's changes go with the answer's commit; a stored answer (a retry) or a
+    # refusal commits nothing, so this makes sure of it (nothing when nothing is queued).
+    co.ledger.commit_soon()
     if work is None:
         return msgpack_response(summary)
     return await answer_response(request, work, summary)

@@ -29,8 +29,10 @@ class Ledger:
     """Latest version of every live record; every change is queued for the next commit.
 
     The coordinator is one asyncio task set: records change only between awaits, and
-    `flush` commits queued changes in order, so a reply sent after `await flush()` never
-    promises something the database does not hold.
+    `flush` commits queued changes in order. A reply that promises something (assignments,
+    a report accepted) asks for its commit with `commit_soon`, and the passes make it next:
+    what the database holds is never ahead of what was decided, and lags what was promised
+    by at most one pass.
     """
 
     def __init__(self, store: Store) -> None:
@@ -58,9 +60,11 @@ class Ledger:
         self.invalid_count = 0
         self._batch = Batch()
         self._queued_since: float | None = None  # monotonic time of the oldest queued change
+        self._promised = False  # a reply has left that promises what is queued (commit_soon)
         self._committing = Batch()  # the batch of the commit under way (empty if none)
         self._lock = asyncio.Lock()
         self.on_unsent: Callable[[], None] | None = None  # new work for waiting hosts
+        self.on_promise: Callable[[], None] | None = None  # the passes: commit what is promised
         # The latest results reported (host, sent, received, outcome): the dashboard's task
         # stream. Bounded: it is a view, not a record (the store has every result).
         self.reported: deque[tuple[int, float, float, str]] = deque(maxlen=REPORTED_KEPT)
@@ -230,13 +234,27 @@ class Ledger:
         nothing is queued)."""
         if self._queued_since is None:
             return math.inf
+        if self._promised:
+            return 0.0
         return max(0.0, self._queued_since + window - time.monotonic())
+
+    def commit_soon(self) -> None:
+        """A reply is leaving that promises what is queued (assignments, reports accepted):
+        the passes commit it next, right after the reply instead of before it, so a host
+        waits for its work on nobody's commit. A kill in between loses that one promise and
+        nothing committed (docs/architecture.md, "Durability")."""
+        if self._queued_since is None:
+            return
+        self._promised = True
+        if self.on_promise is not None:
+            self.on_promise()
 
     async def flush(self) -> None:
         """Commit everything queued so far (group commit: one transaction for many changes)."""
         async with self._lock:
             batch, self._batch = self._batch, Batch()
             self._queued_since = None
+            self._promised = False
             if not batch:
                 return
             self._committing = batch

@@ -1,6 +1,6 @@
 """The Store on SQLite: WAL, foreign keys, one connection shared by the loop and a thread.
 
-The hot path runs on the event loop itself: the commit a handler awaits before it replies
+The hot path runs on the event loop itself: the commit that follows a handler's reply
 (a few dozen rows) and the point lookups of a product or a result take 0.1-0.2 ms of
 SQLite, less than a trip to another thread and back, and a thread would also have to win
 the GIL back for every row it binds while the server and the training thread hold it (a

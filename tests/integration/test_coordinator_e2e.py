@@ -10,7 +10,7 @@ import pytest
 import kernels
 from coordinator.engine import coordinator as coordinator_module
 from coordinator.engine.passes import COMMIT_WINDOW
-from coordinator.work.records import Outcome, Policy, Redundancy
+from coordinator.work.records import Outcome, Policy, Redundancy, ServerState
 from tests.factories import TIMEOUT, bits, operands, running, volunteers
 from tests.volunteers import Behaviour, ScriptedVolunteer, wait_until
 from volunteer.client import CoordinatorClient, ServerRefused, compute_tile
@@ -236,16 +236,16 @@ async def _one_tile_reported(
     return product, answer
 
 
-async def test_a_report_that_asks_for_work_is_committed_before_either_answer_leaves(
+async def test_a_report_that_asks_for_work_is_committed_with_the_answer_just_after_it_leaves(
     tmp_path, rng, monkeypatch
 ):
     """A report that asks for more work is committed with the answer to that ask, in one
-    transaction, and before the reply goes out."""
+    transaction, by the passes as soon as the reply has gone: the host does not wait for
+    the commit, and the database holds the report a moment later."""
     monkeypatch.setattr(coordinator_module, "WAIT_CHECK_EVERY", 3600.0)  # it commits too
     ask = {"request_id": "w2", "capacity": 1, "cached": [], "in_progress": [], "wait": False}
     async with running(tmp_path, tile=16, policy=Policy.FREIVALDS) as (co, _queue, url):
         commits: list = []
-        stored: list = []
         commit = co.store.commit
 
         async def counted(batch):
@@ -254,18 +254,20 @@ async def test_a_report_that_asks_for_work_is_committed_before_either_answer_lea
 
         async def watch(report):
             monkeypatch.setattr(co.store, "commit", counted)
-            # No pass may judge the tile meanwhile: its commit would take the report along.
+            # No pass may run meanwhile: the passes make the commit that a reply asks for.
             async with co.passes.lock:
                 answer = await report
-                for result_id in answer["accepted"]:
-                    stored.append(await co.store.result(result_id))
+                assert commits == [], "the reply waited for its commit"
+                held = await co.store.result(answer["accepted"][0])
+                assert held.server_state is ServerState.IN_PROGRESS, "committed before the reply"
             return answer
 
         _, answer = await _one_tile_reported(co, url, rng, ask, watch)
         assert answer["work"]["assignments"] == []
-        assert [r.outcome for r in stored] == [Outcome.SUCCESS]
-        # One transaction while the report was answered: the report's and the answer's.
-        assert [list(batch.results) for batch in commits] == [answer["accepted"]]
+        await wait_until(lambda: commits)
+        # One transaction: the report's and the answer's (with the pass's verdict on it).
+        assert list(commits[0].results) == answer["accepted"]
+        assert (await co.store.result(answer["accepted"][0])).outcome is Outcome.SUCCESS
 
 
 async def test_a_finished_product_is_committed_within_the_commit_window_with_no_reply_after_it(
@@ -276,7 +278,7 @@ async def test_a_finished_product_is_committed_within_the_commit_window_with_no_
     # The watch over why work waits commits what it says; here it must say nothing.
     monkeypatch.setattr(coordinator_module, "WAIT_CHECK_EVERY", 3600.0)
     async with running(tmp_path, tile=16, policy=Policy.FREIVALDS) as (co, _queue, url):
-        # A report without a work request is committed before the pass that judges it runs.
+        # A report without a work request is committed by the next pass, with its verdict.
         await _one_tile_reported(co, url, rng, None)
         loop = asyncio.get_running_loop()
         deadline = loop.time() + 20 * COMMIT_WINDOW  # 2 s: ten times the window, for CI
