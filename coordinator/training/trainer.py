@@ -168,6 +168,9 @@ class Trainer:
                     evaluation = asyncio.create_task(
                         asyncio.to_thread(asyncio.run, self.evaluate(frozen, step))
                     )
+                # Before the checkpoint: a stop while it is written (its thread finishes it)
+                # still records the step.
+                reported = asyncio.create_task(self._report(reported, report, evaluation, on_step))
                 if step % t.checkpoint_every == 0 or step == last:
                     if self.before_checkpoint is not None:
                         await self.before_checkpoint()
@@ -176,7 +179,6 @@ class Trainer:
                     )
                     if self.on_checkpoint is not None:
                         await self.on_checkpoint(step)
-                reported = asyncio.create_task(self._report(reported, report, evaluation, on_step))
             if reported is not None:
                 await reported
         finally:
