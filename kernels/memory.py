@@ -1,0 +1,49 @@
+"""Freed arrays keep their memory, so the next array of the same size needs no fresh pages.
+
+A step allocates and frees the same few sizes of large arrays over and over: panels, tiles,
+report bodies, the model's activations. glibc's malloc gives each block of 128 KiB or more its
+own mapping (the threshold grows with the blocks freed, to at most 32 MiB) and hands freed
+memory at the top of its heap back to the kernel once more than 128 KiB is free. Each new
+mapping is then zeroed by the kernel a page at a time on first touch: on the larger project that
+was about a tenth of the coordinator's CPU (`clear_page_erms` under `perf`), on the two cores
+the volunteer's kernel shares with it.
+
+With the mapping threshold at its ceiling and trimming off, a freed block stays in the heap
+and the next block of its size reuses it. The cost is that a process keeps its high-water mark
+of freed memory (what it once needed at once) instead of returning it; blocks above 32 MiB are
+still mapped and unmapped one by one.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import sys
+
+M_TRIM_THRESHOLD = -1  # glibc's mallopt parameters (malloc.h)
+M_MMAP_THRESHOLD = -3
+MMAP_THRESHOLD = 32 << 20  # the largest glibc accepts on a 64-bit machine
+TRIM_THRESHOLD = 2**31 - 1  # mallopt takes an int: in effect, never trim
+
+
+def keep_freed_memory() -> bool:
+    """Tune glibc's malloc as above; True if it took. A no-op off glibc, and when the user
+    set either threshold in the environment (their setting wins)."""
+    if not sys.platform.startswith("linux"):
+        return False
+    tunables = os.environ.get("GLIBC_TUNABLES", "")
+    if any(
+        f"MALLOC_{name.upper()}_" in os.environ or f"glibc.malloc.{name}" in tunables
+        for name in ("mmap_threshold", "trim_threshold")
+    ):
+        return False
+    try:
+        mallopt = ctypes.CDLL(None).mallopt
+    except (OSError, AttributeError):
+        return False
+    mallopt.argtypes = (ctypes.c_int, ctypes.c_int)
+    mallopt.restype = ctypes.c_int
+    # musl's mallopt exists and returns 0: nothing to tune there.
+    return bool(mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD)) and bool(
+        mallopt(M_TRIM_THRESHOLD, TRIM_THRESHOLD)
+    )
