@@ -9,9 +9,15 @@ was about a tenth of the coordinator's CPU (`clear_page_erms` under `perf`), on 
 the volunteer's kernel shares with it.
 
 With the mapping threshold at its ceiling and trimming off, a freed block stays in the heap
-and the next block of its size reuses it. The cost is that a process keeps its high-water mark
-of freed memory (what it once needed at once) instead of returning it; blocks above 32 MiB are
-still mapped and unmapped one by one.
+and the next block of its size reuses it. One arena for all threads: a thread's own arena
+grows in heaps of 64 MiB and unmaps a heap as soon as it is empty, whatever the trim
+threshold, so a worker thread that makes and drops 16 MiB arrays faulted fresh pages in all
+the same (half the coordinator's system time was left after the thresholds alone). Its cost,
+threads taking one lock to allocate, does not show: the threads allocate between long stretches
+of work, and most hold the GIL when they do.
+
+The cost is that a process keeps its high-water mark of freed memory (what it once needed at
+once) instead of returning it; blocks above 32 MiB are still mapped and unmapped one by one.
 """
 
 from __future__ import annotations
@@ -22,19 +28,21 @@ import sys
 
 M_TRIM_THRESHOLD = -1  # glibc's mallopt parameters (malloc.h)
 M_MMAP_THRESHOLD = -3
+M_ARENA_MAX = -8
 MMAP_THRESHOLD = 32 << 20  # the largest glibc accepts on a 64-bit machine
 TRIM_THRESHOLD = 2**31 - 1  # mallopt takes an int: in effect, never trim
 
 
 def keep_freed_memory() -> bool:
     """Tune glibc's malloc as above; True if it took. A no-op off glibc, and when the user
-    set either threshold in the environment (their setting wins)."""
+    set any of these in the environment (their setting wins). Call it before other threads
+    start: a thread that has allocated keeps its arena."""
     if not sys.platform.startswith("linux"):
         return False
     tunables = os.environ.get("GLIBC_TUNABLES", "")
     if any(
         f"MALLOC_{name.upper()}_" in os.environ or f"glibc.malloc.{name}" in tunables
-        for name in ("mmap_threshold", "trim_threshold")
+        for name in ("mmap_threshold", "trim_threshold", "arena_max")
     ):
         return False
     try:
@@ -44,6 +52,9 @@ def keep_freed_memory() -> bool:
     mallopt.argtypes = (ctypes.c_int, ctypes.c_int)
     mallopt.restype = ctypes.c_int
     # musl's mallopt exists and returns 0: nothing to tune there.
-    return bool(mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD)) and bool(
-        mallopt(M_TRIM_THRESHOLD, TRIM_THRESHOLD)
+    settings = (
+        (M_MMAP_THRESHOLD, MMAP_THRESHOLD),
+        (M_TRIM_THRESHOLD, TRIM_THRESHOLD),
+        (M_ARENA_MAX, 1),
     )
+    return all([bool(mallopt(param, value)) for param, value in settings])
