@@ -18,6 +18,8 @@ of work, and most hold the GIL when they do.
 
 The cost is that a process keeps its high-water mark of freed memory (what it once needed at
 once) instead of returning it; blocks above 32 MiB are still mapped and unmapped one by one.
+So the coordinator and `train --local` tune it, and the volunteer daemon does not: it runs on
+someone else's machine, and idles there between projects holding no more than it must.
 """
 
 from __future__ import annotations

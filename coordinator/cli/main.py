@@ -29,7 +29,6 @@ from volunteer.logsetup import configure as configure_logging
 @click.version_option(package_name="tilehive")
 def main() -> None:
     """tilehive: train neural networks on volunteered computers, every tile verified."""
-    keep_freed_memory()
 
 
 main.add_command(volunteer)
@@ -218,6 +217,7 @@ def coordinator_command(
     host, port = _bind(bind)
     project = load_project(directory)
     configure_logging(log_format)
+    keep_freed_memory()  # before the server's threads start (not in volunteers: see its doc)
     try:
         code = asyncio.run(host_project(project, host, port, keep_serving, blob_memory))
     except CannotListen as exc:
@@ -248,6 +248,7 @@ def train(directory: Path, local: bool, steps: int | None, threads: int) -> None
             "(to train with volunteers run `tilehive coordinator DIR`)"
         )
     project = load_project(directory)
+    keep_freed_memory()  # as the coordinator does, so the two are measured alike
     trainer = Trainer(project, LocalBackend(threads))
 
     def show(r) -> None:
