@@ -217,7 +217,6 @@ def coordinator_command(
     host, port = _bind(bind)
     project = load_project(directory)
     configure_logging(log_format)
-    keep_freed_memory()  # before the server's threads start (not in volunteers: see its doc)
     try:
         code = asyncio.run(host_project(project, host, port, keep_serving, blob_memory))
     except CannotListen as exc:
@@ -248,7 +247,7 @@ def train(directory: Path, local: bool, steps: int | None, threads: int) -> None
             "(to train with volunteers run `tilehive coordinator DIR`)"
         )
     project = load_project(directory)
-    keep_freed_memory()  # as the coordinator does, so the two are measured alike
+    keep_freed_memory()  # as a coordinator's process does (serve.tune_interpreter)
     trainer = Trainer(project, LocalBackend(threads))
 
     def show(r) -> None:

@@ -30,6 +30,7 @@ from coordinator.state.sqlite import SqliteStore
 from coordinator.training import history
 from coordinator.training.project import Project
 from coordinator.training.trainer import StepReport, Trainer
+from kernels.memory import keep_freed_memory
 
 log = logging.getLogger(__name__)
 
@@ -114,13 +115,15 @@ class Interrupts:
 
 
 def tune_interpreter() -> None:
-    """Set the GIL's switch interval and the garbage collector for a coordinator process."""
+    """Set the GIL's switch interval, the garbage collector and malloc (kernels/memory.py)
+    for a coordinator process, before its threads start."""
     # A training thread (a large model's) and worker threads compute while this one serves:
     # every time the server's loop waits on a socket it must win the GIL back, and at
     # Python's default 5 ms a request of a dozen such waits takes tens of milliseconds (the
     # convoy effect).
     sys.setswitchinterval(SWITCH_INTERVAL)
     gc.set_threshold(*GC_THRESHOLDS)
+    keep_freed_memory()
 
 
 async def host_project(
