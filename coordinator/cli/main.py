@@ -20,7 +20,7 @@ from coordinator.training.project import create as create_project
 from coordinator.training.project import load as load_project
 from coordinator.work.records import ValidateState, WuState
 from kernels import reference
-from kernels.memory import keep_freed_memory
+from kernels.malloc import keep_freed_memory
 from volunteer.cli import emulate, log_format_option, option, volunteer
 from volunteer.logsetup import configure as configure_logging
 

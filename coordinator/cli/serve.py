@@ -30,7 +30,7 @@ from coordinator.state.sqlite import SqliteStore
 from coordinator.training import history
 from coordinator.training.project import Project
 from coordinator.training.trainer import StepReport, Trainer
-from kernels.memory import keep_freed_memory
+from kernels.malloc import keep_freed_memory
 
 log = logging.getLogger(__name__)
 
@@ -115,7 +115,7 @@ class Interrupts:
 
 
 def tune_interpreter() -> None:
-    """Set the GIL's switch interval, the garbage collector and malloc (kernels/memory.py)
+    """Set the GIL's switch interval, the garbage collector and malloc (kernels/malloc.py)
     for a coordinator process, before its threads start."""
     # A training thread (a large model's) and worker threads compute while this one serves:
     # every time the server's loop waits on a socket it must win the GIL back, and at

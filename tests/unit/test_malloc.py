@@ -18,7 +18,7 @@ pytestmark = pytest.mark.skipif(
 FAULTS_OF_A_SECOND_ARRAY = """
 import resource, sys, threading
 import numpy as np
-from kernels.memory import keep_freed_memory
+from kernels.malloc import keep_freed_memory
 took = keep_freed_memory() if sys.argv[1] == "tuned" else False
 faults = []
 def second_array():
