@@ -59,4 +59,4 @@ def keep_freed_memory() -> bool:
         (M_TRIM_THRESHOLD, TRIM_THRESHOLD),
         (M_ARENA_MAX, 1),
     )
-    return all([bool(mallopt(param, value)) for param, value in settings])
+    return all([bool(mallopt(param, value)) for param, value in settings])  # each one tried

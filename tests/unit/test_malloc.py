@@ -15,28 +15,28 @@ pytestmark = pytest.mark.skipif(
 # Minor page faults taken by allocating and filling five 16 MiB arrays after five were freed,
 # on the main thread and on another: a thread's own arena grows in heaps of 64 MiB and
 # unmaps one as soon as it is empty.
-FAULTS_OF_A_SECOND_ARRAY = """
+FAULTS_OF_ARRAYS_MADE_AGAIN = """
 import resource, sys, threading
 import numpy as np
 from kernels.malloc import keep_freed_memory
 took = keep_freed_memory() if sys.argv[1] == "tuned" else False
 faults = []
-def second_array():
+def make_again():
     x = [np.ones(4 << 20, np.float32) for _ in range(5)]; del x
     before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
     y = [np.ones(4 << 20, np.float32) for _ in range(5)]
     faults.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
-second_array()
-worker = threading.Thread(target=second_array); worker.start(); worker.join()
+make_again()
+worker = threading.Thread(target=make_again); worker.start(); worker.join()
 print(took, *faults)
 """
 
 
-def second_array(mode: str, **env: str) -> tuple[bool, int, int]:
+def faults_of_arrays_made_again(mode: str, **env: str) -> tuple[bool, int, int]:
     clean = {k: v for k, v in os.environ.items() if not k.startswith("MALLOC_")}
     clean.pop("GLIBC_TUNABLES", None)
     out = subprocess.run(
-        [sys.executable, "-c", FAULTS_OF_A_SECOND_ARRAY, mode],
+        [sys.executable, "-c", FAULTS_OF_ARRAYS_MADE_AGAIN, mode],
         env={**clean, **env},
         capture_output=True,
         text=True,
@@ -46,17 +46,17 @@ def second_array(mode: str, **env: str) -> tuple[bool, int, int]:
 
 
 def test_a_freed_array_is_reused_without_fresh_pages() -> None:
-    took, main_thread, worker = second_array("tuned")
+    took, main_thread, worker = faults_of_arrays_made_again("tuned")
     if not took:
         pytest.skip("not glibc's malloc")
-    _, untuned_main, untuned_worker = second_array("default")
+    _, untuned_main, untuned_worker = faults_of_arrays_made_again("default")
     # 80 MiB is 20,480 pages (40 huge ones): untuned, glibc maps blocks afresh.
     assert main_thread < 8 and untuned_main >= 40
     assert worker < 8 and untuned_worker >= 8
 
 
 def test_a_threshold_set_in_the_environment_wins() -> None:
-    took, _, _ = second_array("tuned", MALLOC_TRIM_THRESHOLD_="131072")
+    took, _, _ = faults_of_arrays_made_again("tuned", MALLOC_TRIM_THRESHOLD_="131072")
     assert not took
-    took, _, _ = second_array("tuned", GLIBC_TUNABLES="glibc.malloc.arena_max=4")
+    took, _, _ = faults_of_arrays_made_again("tuned", GLIBC_TUNABLES="glibc.malloc.arena_max=4")
     assert not took
