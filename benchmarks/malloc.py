@@ -1,0 +1,107 @@
+"""Malloc benchmark: the CPU of a step's kind of allocations with the coordinator's malloc
+settings (kernels/malloc.py) against glibc's defaults.
+
+Run:  .venv/bin/python benchmarks/malloc.py [--rounds N]
+
+A process makes, fills and drops arrays of 4 and 16 MiB (panels, tiles, report bodies) on its
+main thread and on a worker thread at once, 1.25 GiB each, as a coordinator does in a step of
+the larger project; the first arrays of each size find no freed memory either way. Each round
+runs it once tuned and once with glibc's defaults, in fresh processes, alternately; the
+figures are the medians of the rounds' CPU seconds (user and system, the child's own) and of
+its minor page faults.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+
+_HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path[:] = [p for p in sys.path if os.path.abspath(p or ".") != _HERE]
+sys.path.insert(0, os.path.dirname(_HERE))
+
+from benchmarks.report import Row  # noqa: E402
+
+ALLOCATIONS = """
+import json, resource, sys, threading
+import numpy as np
+from kernels.malloc import keep_freed_memory
+took = keep_freed_memory() if sys.argv[1] == "tuned" else False
+source = np.ones(4 << 20, np.float32)
+def churn():
+    for _ in range(16):  # 16 x (4 x 16 MiB + 4 x 4 MiB): 1.25 GiB a thread
+        arrays = [np.empty(4 << 20, np.float32) for _ in range(4)]
+        arrays += [np.empty(1 << 20, np.float32) for _ in range(4)]
+        for a in arrays:
+            np.copyto(a, source[: a.size])
+before = resource.getrusage(resource.RUSAGE_SELF)
+worker = threading.Thread(target=churn)
+worker.start(); churn(); worker.join()
+after = resource.getrusage(resource.RUSAGE_SELF)
+print(json.dumps({
+    "took": took,
+    "user": after.ru_utime - before.ru_utime,
+    "system": after.ru_stime - before.ru_stime,
+    "faults": after.ru_minflt - before.ru_minflt,
+}))
+"""
+
+
+def once(mode: str) -> dict:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("MALLOC_")}
+    env.pop("GLIBC_TUNABLES", None)
+    env["PYTHONPATH"] = os.path.dirname(_HERE)
+    done = subprocess.run(
+        [sys.executable, "-c", ALLOCATIONS, mode],
+        env=env,
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    return json.loads(done.stdout)
+
+
+def run(rounds: int = 5) -> list[Row]:
+    runs: dict[str, list[dict]] = {"tuned": [], "default": []}
+    for _ in range(rounds):
+        for mode in ("default", "tuned"):
+            runs[mode].append(once(mode))
+    if not all(r["took"] for r in runs["tuned"]):
+        return [Row("malloc", "not glibc's malloc: nothing to tune", "-")]
+
+    def median(mode: str, key: str) -> float:
+        return statistics.median(
+            r["user"] + r["system"] if key == "cpu" else r[key] for r in runs[mode]
+        )
+
+    cpu = {mode: median(mode, "cpu") for mode in runs}
+    system = {mode: median(mode, "system") for mode in runs}
+    faults = {mode: median(mode, "faults") for mode in runs}
+    return [
+        Row(
+            "malloc",
+            "CPU of making and dropping 2.5 GiB of 4-16 MiB arrays on two threads: "
+            "the coordinator's malloc / glibc's defaults",
+            f"{cpu['tuned'] / cpu['default']:.2f}x",
+            note=f"{cpu['tuned']:.2f} against {cpu['default']:.2f} CPU-s, of it system "
+            f"{system['tuned']:.2f} against {system['default']:.2f}; minor page faults "
+            f"{faults['tuned']:,.0f} against {faults['default']:,.0f}; medians of {rounds} "
+            "alternating rounds",
+        )
+    ]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rounds", type=int, default=5)
+    args = parser.parse_args()
+    for row in run(args.rounds):
+        print(f"{row.area} {row.measure}: {row.value}  ({row.note})")
+
+
+if __name__ == "__main__":
+    main()
