@@ -238,8 +238,11 @@ class Scheduler:
         """Unsent results: first those using the most cached panels, then oldest first."""
         ledger = self.ledger
         scores: dict[str, int] = {}
-        for panel in cached:
-            for result_id in ledger.unsent_by_panel.get(panel, ()):
+        # A host's cache lists hundreds of panels, the unsent work a few: walk the fewer.
+        by_panel = ledger.unsent_by_panel
+        shared = [p for p in by_panel if p in cached] if len(by_panel) < len(cached) else cached
+        for panel in shared:
+            for result_id in by_panel.get(panel, ()):
                 scores[result_id] = scores.get(result_id, 0) + ledger.panel_bytes.get(panel, 1)
         yield from sorted(scores, key=lambda r: -scores[r])
         yield from (r for r in list(ledger.unsent) if r not in scores)
