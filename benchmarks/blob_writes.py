@@ -10,7 +10,6 @@ rounds' CPU seconds (this process's, kernel time included) and wall seconds.
 
 from __future__ import annotations
 
-import argparse
 import os
 import shutil
 import statistics
@@ -25,7 +24,7 @@ sys.path.insert(0, os.path.dirname(_HERE))
 import numpy as np  # noqa: E402
 
 import kernels  # noqa: E402
-from benchmarks.report import Row  # noqa: E402
+from benchmarks.report import Row, run_alone  # noqa: E402
 from coordinator.state.blobs import BlobStore  # noqa: E402
 
 TILES, SIDE = 64, 2048  # 64 tiles of 2048 x 2048 float32: 1 GB
@@ -75,11 +74,7 @@ def run(rounds: int = 3) -> list[Row]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--rounds", type=int, default=3)
-    args = parser.parse_args()
-    for row in run(args.rounds):
-        print(f"{row.area} {row.measure}: {row.value}  ({row.note})")
+    run_alone(__doc__, run, rounds=3)
 
 
 if __name__ == "__main__":

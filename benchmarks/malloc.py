@@ -13,7 +13,6 @@ its minor page faults.
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import statistics
@@ -24,7 +23,7 @@ _HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path[:] = [p for p in sys.path if os.path.abspath(p or ".") != _HERE]
 sys.path.insert(0, os.path.dirname(_HERE))
 
-from benchmarks.report import Row  # noqa: E402
+from benchmarks.report import Row, run_alone  # noqa: E402
 
 ALLOCATIONS = """
 import json, resource, sys, threading
@@ -96,11 +95,7 @@ def run(rounds: int = 5) -> list[Row]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--rounds", type=int, default=5)
-    args = parser.parse_args()
-    for row in run(args.rounds):
-        print(f"{row.area} {row.measure}: {row.value}  ({row.note})")
+    run_alone(__doc__, run, rounds=5)
 
 
 if __name__ == "__main__":

@@ -14,7 +14,6 @@ encoding's wall time. The interpreter is set as a coordinator's (its GIL switch 
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import os
 import statistics
@@ -29,7 +28,7 @@ sys.path.insert(0, os.path.dirname(_HERE))
 import numpy as np  # noqa: E402
 
 import kernels  # noqa: E402
-from benchmarks.report import Row  # noqa: E402
+from benchmarks.report import Row, run_alone  # noqa: E402
 from coordinator.cli.serve import tune_interpreter  # noqa: E402
 from coordinator.engine.recovery import panels  # noqa: E402
 
@@ -105,11 +104,7 @@ def run(rounds: int = 5) -> list[Row]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--rounds", type=int, default=5)
-    args = parser.parse_args()
-    for row in run(args.rounds):
-        print(f"{row.area} {row.measure}: {row.value}  ({row.note})")
+    run_alone(__doc__, run, rounds=5)
 
 
 if __name__ == "__main__":

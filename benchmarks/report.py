@@ -7,9 +7,11 @@ below, so every figure in it comes from the same run on the same machine.
 
 from __future__ import annotations
 
+import argparse
 import os
 import platform
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -27,6 +29,18 @@ class Row:
     bar: str = ""  # the brief's bar, if it sets one
     verdict: str = ""  # met / missed / (empty: no bar)
     note: str = ""
+
+
+def run_alone(doc: str, run: Callable[[int], list[Row]], rounds: int) -> None:
+    """The command line of a benchmark outside the suite: `--rounds N` (default `rounds`),
+    then its rows, a line each."""
+    parser = argparse.ArgumentParser(description=doc.splitlines()[0])
+    parser.add_argument("--rounds", type=int, default=rounds)
+    args = parser.parse_args()
+    if args.rounds < 1:
+        parser.error("--rounds must be at least 1")
+    for row in run(args.rounds):
+        print(f"{row.area} {row.measure}: {row.value}  ({row.note})")
 
 
 def machine() -> str:
