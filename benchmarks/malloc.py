@@ -61,7 +61,9 @@ def once(mode: str) -> dict:
         text=True,
         check=True,
     )
-    return json.loads(done.stdout)
+    figures = json.loads(done.stdout)
+    figures["cpu"] = figures["user"] + figures["system"]
+    return figures
 
 
 def run(rounds: int = 5) -> list[Row]:
@@ -72,14 +74,10 @@ def run(rounds: int = 5) -> list[Row]:
     if not all(r["took"] for r in runs["tuned"]):
         return [Row("malloc", "not glibc's malloc: nothing to tune", "-")]
 
-    def median(mode: str, key: str) -> float:
-        return statistics.median(
-            r["user"] + r["system"] if key == "cpu" else r[key] for r in runs[mode]
-        )
-
-    cpu = {mode: median(mode, "cpu") for mode in runs}
-    system = {mode: median(mode, "system") for mode in runs}
-    faults = {mode: median(mode, "faults") for mode in runs}
+    cpu, system, faults = (
+        {mode: statistics.median(r[key] for r in runs[mode]) for mode in runs}
+        for key in ("cpu", "system", "faults")
+    )
     return [
         Row(
             "malloc",
