@@ -50,6 +50,12 @@ class BlobCache:
             _, evicted = self._blobs.popitem(last=False)
             self.bytes -= self._size(evicted)
 
+    def drop(self, blob_id: str) -> None:
+        """Let a blob go before its turn (the coordinator says no product will use it)."""
+        data = self._blobs.pop(blob_id, None)
+        if data is not None:
+            self.bytes -= self._size(data)
+
     def _size(self, value: Buffer) -> int:
         """The bytes a kept value counts for (a model of a cache may keep less)."""
         return len(value)

@@ -363,6 +363,18 @@ class PullLoop(CoordinatorSession):
             self.tile_flops = 2.0 * assignment["m"] * assignment["n"] * assignment["k"]
             operands = asyncio.create_task(self._operands(assignment))
             self.queue.append(Job(assignment, now + float(assignment["deadline_in"]), operands))
+        self._drop_stale(reply.get("forget"))  # after the queue took this answer's tiles
+
+    def _drop_stale(self, panels: Any) -> None:
+        """Drop the cached panels the coordinator says no product will use again, so that
+        memory and every request's list of the cache hold current work. One a queued tile
+        still takes stays (an older coordinator's answer, or a race, costs no download)."""
+        if not isinstance(panels, list):
+            return
+        queued = {job.assignment[side] for job in self.queue for side in ("a", "b")}
+        for blob_id in panels:
+            if isinstance(blob_id, str) and blob_id not in queued:
+                self.cache.drop(blob_id)
 
     def _abort(self, result_id: str) -> None:
         for job in list(self.queue):

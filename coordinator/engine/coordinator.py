@@ -114,8 +114,11 @@ class Coordinator:
             if wu.state is WuState.ACTIVE:
                 self.passes.to_validate.add(wu.id)
             for panel in (wu.a_panel, wu.b_panel):
-                if panel not in self.ledger.panel_bytes and self.blobs.has(panel):
-                    self.ledger.panel_bytes[panel] = self.blobs.size(panel)
+                size = self.ledger.panel_bytes.get(panel)
+                if size is None and self.blobs.has(panel):
+                    size = self.blobs.size(panel)
+                if size is not None:
+                    self.ledger.add_panel(panel, size, wu.step)
         for gemm in lost_products(self.ledger, self.blobs):
             # Failed as in an earlier run: the training loop runs it again when it gets there.
             message = f"{gemm.label or gemm.id[:12]} of step {gemm.step} lost blobs; run again"

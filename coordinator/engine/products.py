@@ -264,7 +264,7 @@ class Products:
     async def _publish(self, gemm: Gemm, a: np.ndarray, b: np.ndarray) -> None:
         """Store the operand panels as blobs, then commit the GEMM and its work units."""
 
-        def store_panels() -> tuple[list[str], list[str]]:
+        def store_panels() -> tuple[list[str], list[int], int]:
             # Off the event loop when large (offload): cutting an operand copies all of it.
             rows, cols = panels(a, b, gemm.trans_a, gemm.trans_b, gemm.tile, gemm.m, gemm.n)
             # A panel that is its whole operand (a product in one tile row or column) is
@@ -284,14 +284,12 @@ class Products:
                 behind=True,
                 hold=True,
             )
-            for panel_id, data in zip(ids, encoded, strict=True):
-                self.ledger.panel_bytes[panel_id] = len(data)
-            return ids[: len(rows)], ids[len(rows) :]
+            return ids, [len(data) for data in encoded], len(rows)
 
         delay = 1.0
         while True:
             try:
-                row_ids, col_ids = await offload(store_panels, a.nbytes + b.nbytes)
+                ids, sizes, row_count = await offload(store_panels, a.nbytes + b.nbytes)
                 break
             except OSError as exc:
                 # Nothing of this GEMM is committed yet: waiting loses nothing, and the step
@@ -305,7 +303,10 @@ class Products:
                 )
                 await asyncio.sleep(delay)
                 delay = min(2 * delay, STORAGE_RETRY_MAX)
-        self.held[gemm.id] += [*row_ids, *col_ids]
+        for panel_id, size in zip(ids, sizes, strict=True):
+            self.ledger.add_panel(panel_id, size, gemm.step)
+        row_ids, col_ids = ids[:row_count], ids[row_count:]
+        self.held[gemm.id] += ids
         red = self.config.redundancy.for_policy(self.config.policy)
         self.ledger.put_gemm(gemm)
         for bounds in tile_bounds(gemm.m, gemm.n, gemm.tile):

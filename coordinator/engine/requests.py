@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 
 from coordinator.engine.config import CoordinatorConfig
 from coordinator.engine.waiters import Waiters
-from coordinator.rules.scheduler import Scheduler, idle_delay
+from coordinator.rules.scheduler import Scheduler, idle_delay, stale_panels
 from coordinator.state.blobs import BlobStore
 from coordinator.state.ledger import Ledger
 from coordinator.state.store import Reply, Store
@@ -58,12 +58,14 @@ class IdleHosts:
 
 @dataclass(frozen=True, slots=True)
 class Answer:
-    """The answer to a work request: its msgpack map (`body`, what a retry gets again) and
-    the operand panels riding along on this answer only (`blobs`), which the server puts
-    into the body in the form the host reads (server/api.py)."""
+    """The answer to a work request: its msgpack map (`body`, what a retry gets again), and
+    riding along on this answer only, the operand panels it sends (`blobs`) and those of
+    the host's cache that it may drop (`forget`), which the server puts into the body in
+    the form the host reads (server/api.py)."""
 
     body: bytes
     blobs: dict[str, bytes] = field(default_factory=dict)
+    forget: list[str] = field(default_factory=list)  # cached panels of no more use
 
 
 class WorkRequests:
@@ -238,7 +240,10 @@ class WorkRequests:
         # commit, within the passes' window, and idle hosts do not queue behind commits.
         # The panels ride along on this answer only; a retry gets the stored answer
         # without them and fetches what it lacks.
-        return Answer(body, self._inline(assignments, set(request.cached)))
+        forget = stale_panels(
+            request.cached, self.ledger.panel_step, self.ledger.oldest_active_step()
+        )
+        return Answer(body, self._inline(assignments, set(request.cached)), forget)
 
     def _inline(self, assignments: list[dict], cached: set[str]) -> dict[str, bytes]:
         """Small operand panels the host lacks, sent inside the answer: each fetch saved is a

@@ -41,7 +41,7 @@ class Retention:
         def delete() -> None:
             for blob in blobs:
                 self.blobs.delete(blob)
-                self.ledger.panel_bytes.pop(blob, None)
+                self.ledger.drop_panel(blob)
 
         await asyncio.to_thread(delete)
         # Rows are purged one checkpoint behind: the last interval's decisions stay for

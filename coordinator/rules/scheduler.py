@@ -13,7 +13,9 @@ BOINC's rules and the fixes for what its users complain about:
 - tail acceleration: spare replicas at the end of a GEMM go only to fast, reliable hosts;
 - while other hosts wait for work, a host takes only its share of each product's unsent
   results (the product was cut for all of them: rules/sizing.py), and of all of them;
-- a crowd larger than the work is asked to spread its asks (idle_delay).
+- a crowd larger than the work is asked to spread its asks (idle_delay);
+- a host is told which of its cached panels no product will use again (stale_panels), so
+  its cache, and the list of it in every request, hold the work in flight and not history.
 """
 
 from __future__ import annotations
@@ -111,6 +113,18 @@ def quota(host: Host, flops: float, config: SchedulerConfig) -> int:
         return host.max_in_progress
     by_time = int(config.quota_seconds * host.gflops * 1e9 / max(flops, 1.0))
     return max(host.max_in_progress, min(config.max_quota, by_time))
+
+
+def stale_panels(
+    cached: tuple[str, ...], panel_step: Mapping[str, int], oldest_active_step: int | None
+) -> list[str]:
+    """The cached panels that no product will use again: each was last published for a
+    step before that of every product in flight, and a step's products never take an
+    earlier step's operands (the model changed in between). Panels this coordinator does
+    not know are left alone; one published again later is simply fetched again."""
+    if oldest_active_step is None:  # between products: the next may still use any
+        return []
+    return [p for p in cached if panel_step.get(p, oldest_active_step) < oldest_active_step]
 
 
 def memory_need(wu: WorkUnit, panel_bytes: dict[str, int]) -> int:

@@ -193,7 +193,9 @@ async def answer_response(
 ) -> web.StreamResponse:
     """The answer to a work request (alone, or as `work` in a report's `summary`), with the
     panels riding along in the form the client reads."""
-    fields = {"blobs": answer.blobs} if answer.blobs else {}
+    fields: dict = {"blobs": answer.blobs} if answer.blobs else {}
+    if answer.forget:
+        fields["forget"] = answer.forget
     trailer = frames.Trailer() if wants_frames(request) else None
     body = frames.extend_map(answer.body, fields, trailer)
     if summary is not None:

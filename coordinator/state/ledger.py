@@ -51,6 +51,9 @@ class Ledger:
         self.unsent_by_panel: dict[str, dict[str, None]] = defaultdict(dict)
         self.unsent_of_gemm: Counter[str] = Counter()
         self.panel_bytes: dict[str, int] = {}
+        # The newest step whose products use each panel: what tells a host which of the
+        # panels it holds no product will use again (rules/scheduler.py stale_panels).
+        self.panel_step: dict[str, int] = {}
         # (transition_time, wu id): work units the transitioner must look at by then.
         self.due: list[tuple[float, str]] = []
         # Work units changed by a report or a decision, for the transitioner's next pass.
@@ -77,7 +80,21 @@ class Ledger:
     def workunits_for(self, gemm_id: str) -> list[WorkUnit]:
         return [self.wus[w] for w in self.wus_of.get(gemm_id, ())]
 
+    def oldest_active_step(self) -> int | None:
+        """The step of the oldest product in flight (None: none is)."""
+        steps = [g.step for g in self.gemms.values() if g.state is GemmState.ACTIVE]
+        return min(steps, default=None)
+
     # ---- changing ------------------------------------------------------------------------
+
+    def add_panel(self, panel_id: str, size: int, step: int) -> None:
+        """A published operand panel: its size, and the newest step that uses it."""
+        self.panel_bytes[panel_id] = size
+        self.panel_step[panel_id] = max(step, self.panel_step.get(panel_id, step))
+
+    def drop_panel(self, panel_id: str) -> None:
+        self.panel_bytes.pop(panel_id, None)
+        self.panel_step.pop(panel_id, None)
 
     def put_gemm(self, gemm: Gemm) -> None:
         self.gemms[gemm.id] = gemm

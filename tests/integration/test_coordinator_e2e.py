@@ -215,6 +215,45 @@ async def test_small_panels_come_inside_the_work_reply_unless_the_host_has_them(
         product.cancel()
 
 
+async def test_a_host_is_told_to_forget_the_panels_of_an_earlier_step(tmp_path, rng):
+    """Once a later step's products are in flight, panels only an earlier step used are of
+    no more use (the model changed in between): the answer tells the host to drop them, so
+    its cache, and the list of it in every request, hold current work. Panels of a step
+    in flight, and panels the coordinator does not know, are not named."""
+    async with running(tmp_path, policy=Policy.FREIVALDS, tile=16) as (co, _queue, url):
+        async with CoordinatorClient(url) as client:
+            await client.register("h")
+            a, b = operands(rng, 16, 16, 8, False, False)
+            first = asyncio.ensure_future(co.products.matmul(a, b, step=1))
+            await wait_until(lambda: co.ledger.unsent)
+            (job,) = (await client.request_work("w1", capacity=1))["assignments"]
+            old = [job["a"], job["b"]]
+            same_step = await client.request_work(
+                "w2", capacity=0, cached=old, in_progress=[job["result_id"]]
+            )
+            assert "forget" not in same_step
+            blobs = [await client.fetch_blob(job[k], max_bytes=1 << 20) for k in "ab"]
+            output_hash, tile = compute_tile(job, *blobs)
+            await client.report(
+                [{"result_id": job["result_id"], "hash": output_hash, "tile": tile}]
+            )
+            await asyncio.wait_for(first, TIMEOUT)
+
+            a2, b2 = operands(rng, 16, 16, 8, False, False)
+            second = asyncio.ensure_future(co.products.matmul(a2, b2, step=2))
+            await wait_until(lambda: co.ledger.unsent)
+            unknown = "f" * 64
+            reply = await client.request_work("w3", capacity=1, cached=[*old, unknown])
+            assert sorted(reply["forget"]) == sorted(old)
+            (job2,) = reply["assignments"]
+            current = [job2["a"], job2["b"], unknown]
+            again = await client.request_work(
+                "w4", capacity=0, cached=current, in_progress=[job2["result_id"]]
+            )
+            assert "forget" not in again
+        second.cancel()
+
+
 async def _one_tile_reported(
     co, url, rng, work: dict | None, watch=None
 ) -> tuple[asyncio.Future, dict]:

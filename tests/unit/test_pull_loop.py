@@ -88,3 +88,26 @@ async def test_finished_tiles_are_reported_at_once_after_an_answer_without_work(
         await asyncio.wait_for(session, timeout=10.0)
     assert sorted(coordinator.reported) == ["r0", "r1"]
     assert any(ask["in_progress"] == ["r1"] for ask in coordinator.asks), "never asked ahead"
+
+
+async def test_panels_the_coordinator_says_no_product_will_use_are_dropped_unless_queued():
+    """An answer's `forget` lists cached panels of an earlier step: the volunteer drops
+    them, so its memory and the list of its cache in every request hold current work. A
+    panel a queued tile still takes stays (it would cost a download), and garbage in the
+    field is ignored."""
+    coordinator = NothingAfterTwoTiles()
+    loop = SlowTiles(coordinator, name="v", cache=BlobCache(1 << 20))  # type: ignore[arg-type]
+    old, kept, queued = (f"{c}" * 64 for c in "abc")
+    for blob_id in (old, kept, queued):
+        loop.cache.put(blob_id, b"x" * 100)
+    tile = coordinator._assignment("r9", queued, queued)
+    loop._take({"assignments": [tile], "forget": [old, queued, 7, "not cached"]})
+    try:
+        assert sorted(loop.cache.ids()) == sorted([kept, queued])
+        assert loop.cache.bytes == 200
+        loop._take({"assignments": [], "forget": "not a list"})
+        assert sorted(loop.cache.ids()) == sorted([kept, queued])
+    finally:
+        for job in loop.queue:
+            job.operands.cancel()
+        await asyncio.gather(*(job.operands for job in loop.queue), return_exceptions=True)

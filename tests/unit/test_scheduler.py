@@ -16,6 +16,7 @@ from coordinator.rules.scheduler import (
     SchedulerConfig,
     idle_delay,
     report_deadline,
+    stale_panels,
     wants_tile,
 )
 from coordinator.state.ledger import Ledger
@@ -706,3 +707,24 @@ def test_without_hash_only_replicas_every_replica_uploads_its_tile():
 )
 def test_many_idle_hosts_are_asked_to_spread_their_asks(idle, waited, expected):
     assert idle_delay(idle, waited, base=0.25, asks_per_s=500.0, cap=25.0) == expected
+
+
+def test_stale_panels_are_those_last_used_before_every_product_in_flight():
+    steps = {"p1": 1, "p2": 2, "p3": 3}
+    cached = ("p1", "p2", "p3", "unknown")
+    assert stale_panels(cached, steps, 3) == ["p1", "p2"]
+    assert stale_panels(cached, steps, 2) == ["p1"]
+    # Between products (none in flight), the next may use any of them.
+    assert stale_panels(cached, steps, None) == []
+
+
+def test_a_panel_published_again_by_a_later_step_is_of_that_step():
+    """A weight that did not change, or a batch seen again: the same content is the same
+    panel, and a host holding it must not be told to drop it while the later step runs."""
+    ledger = Ledger(store=None)  # type: ignore[arg-type]
+    ledger.add_panel("w", 100, step=1)
+    ledger.add_panel("w", 100, step=2)
+    ledger.add_panel("w", 100, step=1)  # an older product published late does not undo it
+    assert stale_panels(("w",), ledger.panel_step, 2) == []
+    ledger.drop_panel("w")
+    assert "w" not in ledger.panel_bytes and "w" not in ledger.panel_step
