@@ -220,10 +220,13 @@ def _ids(message: dict, key: str, limit: int, check: Any, length: int) -> tuple[
     raise BadRequest(f"field {key!r} holds a malformed id: {bad!r:.80}")
 
 
+_RESULT_ID = re.compile(r"[0-9a-f]{32}")
+
+
 def is_result_id(value: object) -> bool:
-    return (
-        isinstance(value, str) and len(value) == 32 and all(c in "0123456789abcdef" for c in value)
-    )
+    # One C call, as kernels.is_blob_id: a report checks one per result (0.2 µs; the loop
+    # over the digits it replaces took 0.9).
+    return isinstance(value, str) and _RESULT_ID.fullmatch(value) is not None
 
 
 @dataclass(frozen=True, slots=True)
