@@ -40,7 +40,6 @@ _MUTABLE = {
         "accelerated",
     ),
     "results": (
-        "host_id",
         "server_state",
         "outcome",
         "validate_state",

@@ -70,7 +70,10 @@ class Store(abc.ABC):
 
     @abc.abstractmethod
     async def commit(self, batch: Batch) -> None:
-        """Write a batch atomically: all of it or, if the process dies, none of it."""
+        """Write a batch atomically: all of it or, if the process dies, none of it.
+
+        A result is first written when it is assigned (or ends unsent), and its host_id is
+        kept from that first write on: a result is one assignment to one host."""
 
     @abc.abstractmethod
     async def load(self) -> Snapshot: ...

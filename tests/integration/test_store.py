@@ -276,3 +276,34 @@ async def test_a_stream_of_commits_keeps_the_wal_bounded(tmp_path, monkeypatch):
     # 20,000 events of half a kilobyte went through the WAL, about a burst at a time.
     assert written > 10 << 20
     assert largest < written / 4, (largest, written)
+
+
+async def test_results_an_older_coordinator_wrote_unsent_are_dropped_on_upgrade(tmp_path):
+    """Results are now first written when assigned, and their host kept from that first
+    row on (a result is one assignment to one host). An unsent result's row from before
+    would never take the host it is assigned to: schema 5 drops such rows, and the
+    transitioner issues those replicas again, as for any replica not yet sent."""
+    path = tmp_path / "state.db"
+    store = SqliteStore(path)
+    await store.open()
+    gemm, host, wu, result = records()
+    sent = result.evolve(server_state=ServerState.IN_PROGRESS)
+    unsent = Result("u" * 32, wu.id)
+    await store.commit(
+        Batch({gemm.id: gemm}, {wu.id: wu}, {sent.id: sent, unsent.id: unsent}, {1: host})
+    )
+    await store.close()
+    db = sqlite3.connect(path)
+    db.execute("PRAGMA user_version = 4")  # as the coordinator before this schema left it
+    db.commit()
+    db.close()
+    store = SqliteStore(path)
+    await store.open()
+    try:
+        assert [r.id for r in (await store.load()).results] == [sent.id]
+        # From here on a result's host is the one its first row took.
+        await store.commit(Batch(results={sent.id: sent.evolve(host_id=None, error="e")}))
+        (kept,) = (await store.load()).results
+        assert (kept.host_id, kept.error) == (1, "e")
+    finally:
+        await store.close()
