@@ -367,8 +367,9 @@ class PullLoop(CoordinatorSession):
 
     def _drop_stale(self, panels: Any) -> None:
         """Drop the cached panels the coordinator says no product will use again, so that
-        memory and every request's list of the cache hold current work. One a queued tile
-        still takes stays (an older coordinator's answer, or a race, costs no download)."""
+        memory and every request's list of the cache hold current work. A panel that a
+        queued tile still takes is kept whatever the answer says: dropping it would only
+        cost that tile a download."""
         if not isinstance(panels, list):
             return
         queued = {job.assignment[side] for job in self.queue for side in ("a", "b")}
