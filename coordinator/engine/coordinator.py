@@ -110,6 +110,10 @@ class Coordinator:
         await self.store.open()
         snapshot = await self.store.load()
         self.ledger.restore(snapshot)
+        # The steps of the panels of every work unit still stored, finished ones too: the
+        # hosts hold them from before the restart, and are told to drop those of steps
+        # before the products in flight (rules/scheduler.stale_panels).
+        self.ledger.panel_step.update(await self.store.panel_steps())
         for wu in snapshot.workunits:
             if wu.state is WuState.ACTIVE:
                 self.passes.to_validate.add(wu.id)

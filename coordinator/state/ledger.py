@@ -93,8 +93,14 @@ class Ledger:
         self.panel_step[panel_id] = max(step, self.panel_step.get(panel_id, step))
 
     def drop_panel(self, panel_id: str) -> None:
+        """A panel's blob is deleted. Its step stays, so that the hosts that still hold it
+        are told to drop it too (forget_panel_steps lets it go later)."""
         self.panel_bytes.pop(panel_id, None)
-        self.panel_step.pop(panel_id, None)
+
+    def forget_panel_steps(self, through_step: int) -> None:
+        """Let go of the steps of panels of steps <= through_step: every host in contact
+        since has been told to drop them."""
+        self.panel_step = {p: s for p, s in self.panel_step.items() if s > through_step}
 
     def put_gemm(self, gemm: Gemm) -> None:
         self.gemms[gemm.id] = gemm

@@ -226,6 +226,13 @@ class MemoryStore(QueryStore):
     def select_events_through_step_run(self, step: int) -> list[Row]:
         return [e for e in self.tables["events"].values() if _through(e, step)]
 
+    def select_panel_steps_run(self) -> list[Row]:
+        steps: dict[str, int] = {}
+        for w in self.tables["workunits"].values():
+            for panel in (w["a_panel"], w["b_panel"]):
+                steps[panel] = max(w["step"], steps.get(panel, w["step"]))
+        return [{"panel": p, "step": s} for p, s in steps.items()]
+
     def select_workunits_through_step_run(self, step: int) -> list[Row]:
         rows = [w for w in self.tables["workunits"].values() if w["step"] <= step]
         return sorted(rows, key=lambda w: (w["step"], w["gemm_id"], w["i0"], w["j0"]))

@@ -221,6 +221,9 @@ class QueryStore(Store):
         rows = await self._query("select_workunits_through_step", step=step)
         return [to_workunit(r) for r in rows]
 
+    async def panel_steps(self) -> dict[str, int]:
+        return {r["panel"]: r["step"] for r in await self._query("select_panel_steps")}
+
     async def purge(self, through_step: int) -> None:
         step = [{"step": through_step}]
         await self._transaction(

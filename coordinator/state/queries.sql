@@ -223,6 +223,13 @@ ORDER BY id DESC LIMIT 1;
 -- name: select_events_through_step
 SELECT * FROM events WHERE step <= :step ORDER BY id;
 
+-- name: select_panel_steps
+SELECT panel, MAX(step) AS step FROM (
+    SELECT a_panel AS panel, step FROM workunits
+    UNION ALL
+    SELECT b_panel AS panel, step FROM workunits
+) GROUP BY panel;
+
 -- name: select_workunits_through_step
 SELECT * FROM workunits WHERE step <= :step ORDER BY step, gemm_id, i0, j0;
 

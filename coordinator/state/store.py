@@ -72,8 +72,9 @@ class Store(abc.ABC):
     async def commit(self, batch: Batch) -> None:
         """Write a batch atomically: all of it or, if the process dies, none of it.
 
-        A result is first written when it is assigned (or ends unsent), and its host_id is
-        kept from that first write on: a result is one assignment to one host."""
+        A result is first written when it is assigned (or when it ends unsent, or is the
+        coordinator's own, hostless both), and its host_id is kept from that first write
+        on: a result is one assignment to one host."""
 
     @abc.abstractmethod
     async def load(self) -> Snapshot: ...
@@ -125,6 +126,10 @@ class Store(abc.ABC):
     @abc.abstractmethod
     async def workunits_through(self, step: int) -> list[WorkUnit]:
         """The work units of steps <= step (what a purge would delete)."""
+
+    @abc.abstractmethod
+    async def panel_steps(self) -> dict[str, int]:
+        """The newest step of the work units it holds that uses each operand panel."""
 
     @abc.abstractmethod
     async def purge(self, through_step: int) -> None:

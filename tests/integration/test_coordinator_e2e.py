@@ -215,43 +215,82 @@ async def test_small_panels_come_inside_the_work_reply_unless_the_host_has_them(
         product.cancel()
 
 
+async def _computed(co, client, rng, step: int, request_id: str) -> list[str]:
+    """A one-tile product of `step` computed by `client`; returns the panels it held.
+    Asked again while the product is in flight, the coordinator names none of them."""
+    a, b = operands(rng, 16, 16, 8, False, False)
+    product = asyncio.ensure_future(co.products.matmul(a, b, step=step))
+    await wait_until(lambda: co.ledger.unsent)
+    (job,) = (await client.request_work(request_id, capacity=1))["assignments"]
+    panels = [job["a"], job["b"]]
+    same_step = await client.request_work(
+        request_id + "+", capacity=0, cached=panels, in_progress=[job["result_id"]]
+    )
+    assert "forget" not in same_step
+    blobs = [await client.fetch_blob(job[k], max_bytes=1 << 20) for k in "ab"]
+    output_hash, tile = compute_tile(job, *blobs)
+    await client.report([{"result_id": job["result_id"], "hash": output_hash, "tile": tile}])
+    await asyncio.wait_for(product, TIMEOUT)
+    return panels
+
+
+async def _told_to_forget(co, client, rng, step: int, cached: list[str]) -> list[str]:
+    """What an answer tells the host to drop of `cached` while a product of `step` is in
+    flight (the product is left unfinished)."""
+    a, b = operands(rng, 16, 16, 8, False, False)
+    product = asyncio.ensure_future(co.products.matmul(a, b, step=step))
+    try:
+        await wait_until(lambda: co.ledger.unsent)
+        reply = await client.request_work(f"forget-{step}", capacity=1, cached=cached)
+        (job,) = reply["assignments"]
+        again = await client.request_work(
+            f"again-{step}",
+            capacity=0,
+            cached=[job["a"], job["b"]],
+            in_progress=[job["result_id"]],
+        )
+        assert "forget" not in again  # the panels of the step in flight
+        return sorted(reply.get("forget", []))
+    finally:
+        product.cancel()
+
+
 async def test_a_host_is_told_to_forget_the_panels_of_an_earlier_step(tmp_path, rng):
     """Once a later step's products are in flight, panels only an earlier step used are of
     no more use (the model changed in between): the answer tells the host to drop them, so
     its cache, and the list of it in every request, hold current work. Panels of a step
     in flight, and panels the coordinator does not know, are not named."""
-    async with running(tmp_path, policy=Policy.FREIVALDS, tile=16) as (co, _queue, url):
-        async with CoordinatorClient(url) as client:
-            await client.register("h")
-            a, b = operands(rng, 16, 16, 8, False, False)
-            first = asyncio.ensure_future(co.products.matmul(a, b, step=1))
-            await wait_until(lambda: co.ledger.unsent)
-            (job,) = (await client.request_work("w1", capacity=1))["assignments"]
-            old = [job["a"], job["b"]]
-            same_step = await client.request_work(
-                "w2", capacity=0, cached=old, in_progress=[job["result_id"]]
-            )
-            assert "forget" not in same_step
-            blobs = [await client.fetch_blob(job[k], max_bytes=1 << 20) for k in "ab"]
-            output_hash, tile = compute_tile(job, *blobs)
-            await client.report(
-                [{"result_id": job["result_id"], "hash": output_hash, "tile": tile}]
-            )
-            await asyncio.wait_for(first, TIMEOUT)
+    async with (
+        running(tmp_path, policy=Policy.FREIVALDS, tile=16) as (co, _queue, url),
+        CoordinatorClient(url) as client,
+    ):
+        await client.register("h")
+        old = await _computed(co, client, rng, 1, "w1")
+        unknown = "f" * 64
+        assert await _told_to_forget(co, client, rng, 2, [*old, unknown]) == sorted(old)
 
-            a2, b2 = operands(rng, 16, 16, 8, False, False)
-            second = asyncio.ensure_future(co.products.matmul(a2, b2, step=2))
-            await wait_until(lambda: co.ledger.unsent)
-            unknown = "f" * 64
-            reply = await client.request_work("w3", capacity=1, cached=[*old, unknown])
-            assert sorted(reply["forget"]) == sorted(old)
-            (job2,) = reply["assignments"]
-            current = [job2["a"], job2["b"], unknown]
-            again = await client.request_work(
-                "w4", capacity=0, cached=current, in_progress=[job2["result_id"]]
-            )
-            assert "forget" not in again
-        second.cancel()
+
+async def test_panels_of_a_checkpointed_step_or_from_before_a_restart_are_still_named(
+    tmp_path, rng
+):
+    """A checkpoint deletes the earlier steps' blobs, and a restart starts with an empty
+    ledger: hosts still hold those panels, and are told to drop them all the same."""
+    async with (
+        running(tmp_path, policy=Policy.FREIVALDS, tile=16) as (co, _queue, url),
+        CoordinatorClient(url) as client,
+    ):
+        await client.register("h")
+        first = await _computed(co, client, rng, 1, "w1")
+        await co.retention.prune(1)  # the checkpoint after step 1
+        second = await _computed(co, client, rng, 2, "w2")
+        assert await _told_to_forget(co, client, rng, 3, first) == sorted(first)
+    async with (  # the same project, restarted
+        running(tmp_path, policy=Policy.FREIVALDS, tile=16) as (co, _queue, url),
+        CoordinatorClient(url) as client,
+    ):
+        await client.register("h2")
+        told = await _told_to_forget(co, client, rng, 4, [*first, *second])
+        assert told == sorted([*first, *second])
 
 
 async def _one_tile_reported(

@@ -307,3 +307,10 @@ async def test_results_an_older_coordinator_wrote_unsent_are_dropped_on_upgrade(
         assert (kept.host_id, kept.error) == (1, "e")
     finally:
         await store.close()
+
+
+async def test_panel_steps_are_the_newest_step_of_each_stored_panel(store):
+    gemm, host, wu, _ = records()
+    later = wu.evolve(id="v" * 64, step=7, b_panel="b" * 64)
+    await store.commit(Batch({gemm.id: gemm}, {wu.id: wu, later.id: later}, {}, {1: host}))
+    assert await store.panel_steps() == {HASH: 7, "b" * 64: 7}
