@@ -6,9 +6,10 @@ result ids of random digits only (today's start with the time).
 Run:  .venv/bin/python benchmarks/store_commits.py [--workunits N] [--rounds N] [--per-commit N]
 
 Each round drives N work units of one product (quorum 2) through `SqliteStore.commit` in a
-fresh state.db, in the commits a coordinator makes: the publication; then for every
---per-commit work units (4: one host's request) their assignment, their report, and the
-pass that judges and assimilates them, each with its events. Rounds alternate the stores;
+fresh state.db, in the commits a coordinator makes: the publication (the work units; a
+result is first written when it is sent); then for every --per-commit work units (4: one
+host's request) their assignment, their report, and the pass that judges and assimilates
+them, each with its events. Rounds alternate the stores;
 the figures are the medians of the rounds' microseconds per work unit, by commit, and the
 work units per second the store alone allows. The page cache matters once the state holds
 tens of thousands of work units: try --workunits 20000 --per-commit 400.
@@ -130,10 +131,11 @@ async def lifecycle(path: Path, n: int, per_commit: int, changes: list[str]) -> 
             await store.commit(batch)
             spent[phase] += time.perf_counter() - started
 
+        # Results are not written unsent (Ledger.put_result): a result's first row is the
+        # one that sends it, with its host.
         batch = Batch(gemms={gemm.id: gemm}, hosts={host.id: host})
         for wu in wus:
             batch.workunits[wu.id] = wu
-            batch.results.update((r.id, r) for r in results[wu.id])
         await commit("publish", batch)
         for start in range(0, n, per_commit):
             chunk = wus[start : start + per_commit]
