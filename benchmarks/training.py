@@ -16,7 +16,9 @@ time waiting for a CPU (runnable, not running: Linux's /proc/PID/task/*/schedsta
 their time on one, says how long their kernel sat preempted by other threads (the
 coordinator's, their own network thread) on the two cores they share; tiny-gpt's tiles
 mostly run on the main thread. Every run's last checkpoint must be bitwise equal to
---local's: the benchmark checks it and says so (and exits 1 if not).
+--local's: the benchmark checks it and says so (and exits 1 if not). The daemons run with
+the default --max-memory, and a row per project gives the highest peak resident memory of
+its volunteers against it.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 _HERE = os.path.dirname(os.path.abspath(__file__))
@@ -48,6 +51,7 @@ BARS = {"tiny-gpt": 1.2, "larger": 1.1}  # the brief: distributed / --local, one
 # Pairs (--local, then distributed) of the runs the bars judge, in turn: on this shared
 # machine one pair's ratio moves by 10% from one run of the benchmark to the next.
 PAIRS = 3
+DEFAULT_MAX_MEMORY_MB = 200  # the brief: a volunteer's --max-memory defaults to under 200 MB
 
 
 def step_seconds(directory: Path) -> list[float]:
@@ -88,6 +92,21 @@ def busy_share(states: Path) -> float:
     return compute / ran if ran else 0.0
 
 
+@dataclass(frozen=True)
+class Memory:
+    """The largest peak resident memory of a run's volunteers, and the --max-memory it was
+    to stay within (their status files)."""
+
+    peak_mb: float
+    max_memory_mb: int
+
+    @classmethod
+    def of(cls, states: Path) -> Memory:
+        peaks = [json.loads(p.read_text()) for p in states.glob("*/status.json")]
+        worst = max(peaks, key=lambda data: data["peak_rss_mb"] / data["max_memory_mb"])
+        return cls(worst["peak_rss_mb"], worst["max_memory_mb"])
+
+
 class CpuWaits:
     """Time the volunteers' threads ran on a CPU and waited in a run queue for one (Linux's
     /proc/PID/task/*/schedstat), split into each process's main thread (its event loop: the
@@ -122,9 +141,10 @@ class CpuWaits:
 
 def train_distributed(
     directory: Path, volunteers: int, timeout: float, options: tuple[str, ...] = ()
-) -> tuple[float, tuple[float, float] | None]:
+) -> tuple[float, tuple[float, float] | None, Memory]:
     """Train with `volunteers` daemons on loopback (`options`: the coordinator's flags);
-    returns their busy share and their threads' waits for a CPU (CpuWaits.shares)."""
+    returns their busy share, their threads' waits for a CPU (CpuWaits.shares) and their
+    peak memory."""
     port = serve_switched.free_port()
     url = f"http://127.0.0.1:{port}"
     log = directory.parent / f"{directory.name}.log"
@@ -162,7 +182,7 @@ def train_distributed(
             coordinator.wait()
     if code != 0:
         raise RuntimeError(f"tilehive coordinator exited with {code}: {log.read_text()[-2000:]}")
-    return busy_share(states), waits.shares()
+    return busy_share(states), waits.shares(), Memory.of(states)
 
 
 LARGER = {
@@ -189,6 +209,7 @@ def run(quick: bool = False, models: tuple[str, ...] = ("tiny-gpt", "larger")) -
         plan = [(name, extra, steps, runs[:1]) for name, extra, steps, runs in plan]
     started = time.perf_counter()
     rows, equal_all, count = [], True, 0
+    memory: dict[str, Memory] = {}  # model -> the run whose volunteer came nearest its limit
     with tempfile.TemporaryDirectory(prefix="tilehive-training-") as tmp:
         workdir = Path(tmp)
         for model, extra, steps, runs in plan:
@@ -213,7 +234,12 @@ def run(quick: bool = False, models: tuple[str, ...] = ("tiny-gpt", "larger")) -
                     reference = reference or checkpoint_bits(local / last)
                     directory = workdir / name
                     projects.create(directory, **settings, **{"work.policy": policy})
-                    busy, waited = train_distributed(directory, volunteers, timeout=1800)
+                    busy, waited, used = train_distributed(directory, volunteers, timeout=1800)
+                    nearest = memory.get(model)
+                    if nearest is None or used.peak_mb / used.max_memory_mb > (
+                        nearest.peak_mb / nearest.max_memory_mb
+                    ):
+                        memory[model] = used
                     equal = checkpoint_bits(directory / last) == reference
                     equal = equal and checkpoint_bits(local / last) == reference
                     if not equal:
@@ -223,6 +249,7 @@ def run(quick: bool = False, models: tuple[str, ...] = ("tiny-gpt", "larger")) -
                     seconds = typical(step_seconds(directory))
                     pairs.append((seconds / local_step, seconds, local_step, busy, waited))
                 rows.append(training_row(model, volunteers, policy, pairs))
+    rows.extend(memory_row(model, used) for model, used in memory.items())
     rows.append(
         Row(
             "training",
@@ -270,6 +297,21 @@ def training_row(
         note=f"{each}{seconds:.3f} s per step on loopback against {local_step:.3f} s for "
         f"--local just before it; volunteers busy {100 * busy:.0f}% of the time they "
         f"ran{waits}",
+    )
+
+
+def memory_row(model: str, used: Memory) -> Row:
+    """The brief's bar for a volunteer: its peak memory within its --max-memory, whose
+    default is under 200 MB (the daemons here run with the default)."""
+    within = used.peak_mb <= used.max_memory_mb and used.max_memory_mb <= DEFAULT_MAX_MEMORY_MB
+    return Row(
+        "training",
+        f"{model}: a volunteer's peak resident memory / its --max-memory (the default)",
+        f"{used.peak_mb:.0f} / {used.max_memory_mb} MB",
+        bar=f"within it, default <= {DEFAULT_MAX_MEMORY_MB} MB",
+        verdict=verdict(within),
+        note="the highest of this model's distributed runs above, from the volunteers' "
+        "status files (VmHWM)",
     )
 
 

@@ -18,8 +18,14 @@ of work, and most hold the GIL when they do.
 
 The cost is that a process keeps its high-water mark of freed memory (what it once needed at
 once) instead of returning it; blocks above 32 MiB are still mapped and unmapped one by one.
-So the coordinator and `train --local` tune it, and the volunteer daemon does not: it runs on
-someone else's machine, and idles there between projects holding no more than it must.
+So the coordinator and `train --local` tune it that way. The volunteer daemon runs on someone
+else's machine within its `--max-memory`, and there glibc's defaults were the problem: with the
+mapping threshold grown to a 16 MiB tile, every panel and tile after it came from heaps that
+freed memory does not leave, one heap per thread, and on the larger project a daemon of
+`--max-memory 200` peaked at 290-340 MB (docs/performance.md, the nineteenth round). So it
+takes the opposite setting: one arena, and every block of 2 MiB or more mapped on its own and
+unmapped when freed, so that its resident memory is what it holds. The price is the zeroed
+pages of each new block, which the coordinator's setting saves.
 """
 
 from __future__ import annotations
@@ -35,10 +41,25 @@ MMAP_THRESHOLD = 32 << 20  # the largest glibc accepts on a 64-bit machine
 TRIM_THRESHOLD = 2**31 - 1  # mallopt takes an int: in effect, never trim
 
 
+RETURN_THRESHOLD = 2 << 20  # blocks of this size or more are unmapped when freed
+
+
 def keep_freed_memory() -> bool:
-    """Tune glibc's malloc as above; True if it took. A no-op off glibc, and when the user
-    set any of these in the environment (their setting wins). Call it before other threads
-    start: a thread that has allocated keeps its arena."""
+    """Tune glibc's malloc for speed, as above; True if it took. A no-op off glibc, and
+    when the user set any of these in the environment (their setting wins). Call it before
+    other threads start: a thread that has allocated keeps its arena."""
+    return _tune(((M_MMAP_THRESHOLD, MMAP_THRESHOLD), (M_TRIM_THRESHOLD, TRIM_THRESHOLD)))
+
+
+def return_freed_memory() -> bool:
+    """Tune glibc's malloc for a bounded resident size, as above (the volunteer daemon's);
+    True if it took. The same conditions as keep_freed_memory."""
+    # Setting the threshold also stops glibc from raising it, and the trim threshold with it.
+    return _tune(((M_MMAP_THRESHOLD, RETURN_THRESHOLD),))
+
+
+def _tune(settings: tuple[tuple[int, int], ...]) -> bool:
+    """mallopt each setting and one arena for all threads; True if every one took."""
     if not sys.platform.startswith("linux"):
         return False
     tunables = os.environ.get("GLIBC_TUNABLES", "")
@@ -54,9 +75,5 @@ def keep_freed_memory() -> bool:
     mallopt.argtypes = (ctypes.c_int, ctypes.c_int)
     mallopt.restype = ctypes.c_int
     # musl's mallopt exists and returns 0: nothing to tune there.
-    settings = (
-        (M_MMAP_THRESHOLD, MMAP_THRESHOLD),
-        (M_TRIM_THRESHOLD, TRIM_THRESHOLD),
-        (M_ARENA_MAX, 1),
-    )
+    settings = (*settings, (M_ARENA_MAX, 1))
     return all([bool(mallopt(param, value)) for param, value in settings])  # each one tried

@@ -17,6 +17,7 @@ from typing import Any
 
 import click
 
+from kernels.malloc import return_freed_memory
 from volunteer.address import NotACoordinator, check_url
 from volunteer.daemon import NotEnoughMemory, Volunteer, VolunteerConfig, default_threads
 from volunteer.emulator import (
@@ -214,6 +215,7 @@ def _run(config: VolunteerConfig, state: StateDir, report: int | None) -> None:
         fail(str(exc))
         return
     try:
+        return_freed_memory()  # before the kernel's threads: its resident size is what it holds
         worker = Volunteer(config)
         try:
             worker.prepare()
