@@ -39,9 +39,7 @@ M_MMAP_THRESHOLD = -3
 M_ARENA_MAX = -8
 MMAP_THRESHOLD = 32 << 20  # the largest glibc accepts on a 64-bit machine
 TRIM_THRESHOLD = 2**31 - 1  # mallopt takes an int: in effect, never trim
-
-
-RETURN_THRESHOLD = 2 << 20  # blocks of this size or more are unmapped when freed
+RETURN_THRESHOLD = 2 << 20  # the volunteer's: blocks of this size or more unmapped when freed
 
 
 def keep_freed_memory() -> bool:
