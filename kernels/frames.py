@@ -18,6 +18,7 @@ type CONTENT_TYPE, docs/protocol.md) and fall back to plain msgpack with a peer 
 from __future__ import annotations
 
 import struct
+from collections.abc import Callable
 from typing import Any
 
 import msgpack
@@ -29,6 +30,7 @@ BIG_BINARY = 64 << 10  # smaller binaries stay in the document: a copy there cos
 REF = 1  # the msgpack extension type of a moved binary
 _REF = struct.Struct("<QQ")
 _HEAD = struct.Struct("<4sI")
+HEAD_BYTES = _HEAD.size  # magic and the document's length
 
 Buffer = bytes | bytearray | memoryview
 
@@ -87,14 +89,7 @@ def unpack(body: Buffer) -> Any:
     """The message in a framed body, its moved binaries as read-only views of `body`.
     FrameError when the bytes are not a well-formed frame."""
     view = memoryview(body).cast("B").toreadonly()
-    if len(view) < _HEAD.size:
-        raise FrameError("a framed body needs at least 8 bytes")
-    magic, length = _HEAD.unpack_from(view)
-    if magic != MAGIC:
-        raise FrameError("not a framed message (bad magic)")
-    end = _HEAD.size + length
-    if end > len(view):
-        raise FrameError(f"the document claims {length} bytes, the body holds {len(view)}")
+    end = HEAD_BYTES + document_length(view, len(view))
     trailer = view[end:]
 
     def moved(code: int, data: bytes) -> memoryview:
@@ -105,14 +100,60 @@ def unpack(body: Buffer) -> Any:
             raise FrameError(f"a binary of {size} bytes at {offset} runs past the body")
         return trailer[offset : offset + size]
 
+    return _unpack_document(view[HEAD_BYTES:end], moved)
+
+
+def _unpack_document(document: Buffer, moved: Callable[[int, bytes], Any]) -> Any:
     try:
-        return msgpack.unpackb(
-            view[_HEAD.size : end], raw=False, strict_map_key=True, ext_hook=moved
-        )
+        return msgpack.unpackb(document, raw=False, strict_map_key=True, ext_hook=moved)
     except FrameError:
         raise
     except Exception as exc:  # msgpack raises several unrelated types for bad input
         raise FrameError(f"the document is not valid msgpack: {type(exc).__name__}: {exc}") from exc
+
+
+def document_length(head: Buffer, body_size: int) -> int:
+    """The document's length from the first HEAD_BYTES of a framed body of `body_size`
+    bytes; FrameError if they are no frame's head or the document overruns the body."""
+    if body_size < HEAD_BYTES or len(head) < HEAD_BYTES:
+        raise FrameError(f"a framed body needs at least {HEAD_BYTES} bytes")
+    magic, length = _HEAD.unpack_from(head)
+    if magic != MAGIC:
+        raise FrameError("not a framed message (bad magic)")
+    if HEAD_BYTES + length > body_size:
+        raise FrameError(f"the document claims {length} bytes, the body holds {body_size}")
+    return length
+
+
+def unpack_apart(document: Buffer, trailer_size: int) -> tuple[Any, list[memoryview]]:
+    """The message of a framed body whose trailer is still to be read, each moved binary
+    in memory of its own: (the message, with read-only views of them; the writable buffers,
+    in trailer order, to read the trailer into). A binary kept from such a message holds
+    only its own bytes, where a view of a whole body would hold every other binary in it.
+    FrameError unless the binaries fill the trailer exactly, one after another, as
+    `pack` lays them out (so a lying document cannot make the reader allocate more than
+    the body it sent)."""
+    buffers: list[memoryview] = []
+    filled = 0
+
+    def moved(code: int, data: bytes) -> memoryview:
+        nonlocal filled
+        if code != REF or len(data) != _REF.size:
+            raise FrameError(f"unknown msgpack extension {code}")
+        offset, size = _REF.unpack(data)
+        if offset != filled:
+            raise FrameError(f"a binary at {offset} where the trailer is at {filled}")
+        if offset + size > trailer_size:
+            raise FrameError(f"a binary of {size} bytes at {offset} runs past the body")
+        filled += size
+        buffer = body_buffer(size)
+        buffers.append(buffer)
+        return buffer.toreadonly()
+
+    message = _unpack_document(document, moved)
+    if filled != trailer_size:
+        raise FrameError(f"the binaries fill {filled} of the trailer's {trailer_size} bytes")
+    return message, buffers
 
 
 def extend_map(document: bytes, fields: dict[str, Any], trailer: Trailer | None) -> bytes:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -95,8 +96,12 @@ class CoordinatorClient:
             data = in_pieces(parts)
             headers["Content-Length"] = str(size)
         async with self.session.post(self.url + path, data=data, headers=headers) as resp:
-            if resp.content_length is not None and resp.content_length >= PIECE_BYTES:
-                payload = await read_into(resp.content, resp.content_length)
+            size = resp.content_length
+            if size is not None and resp.status < 400 and resp.content_type == frames.CONTENT_TYPE:
+                self.frames = True
+                return await read_framed(resp.content, size, f"POST {path}")
+            if size is not None and size >= PIECE_BYTES:
+                payload = await read_into(resp.content, size)
             else:
                 payload = await resp.read()
             return self._decode(resp, payload, f"POST {path}")
@@ -221,17 +226,50 @@ async def read_into(stream: aiohttp.StreamReader, size: int) -> memoryview:
     """Exactly `size` bytes of a body, each chunk copied once into one buffer as it arrives
     (aiohttp.ClientPayloadError if the body ends first)."""
     view = frames.body_buffer(size)
-    got = 0
-    while got < size:
-        chunk, end_of_http_chunk = await stream.readchunk()
-        if not chunk:
-            if end_of_http_chunk:
-                continue
-            raise aiohttp.ClientPayloadError(f"the body ended after {got} of {size} bytes")
-        end = min(size, got + len(chunk))
-        view[got:end] = chunk[: end - got]
-        got = end
+    await fill(stream, [view])
     return view
+
+
+async def read_framed(stream: aiohttp.StreamReader, size: int, request: str) -> dict[str, Any]:
+    """The message of a framed body of `size` bytes, read with each of its binaries into
+    memory of its own (kernels.frames.unpack_apart): a panel the cache keeps then holds
+    only itself, not the whole answer it came in. A malformed frame is a broken reply
+    (aiohttp.ClientPayloadError), retried like one cut off."""
+    try:
+        head = await stream.readexactly(frames.HEAD_BYTES)
+        length = frames.document_length(head, size)
+        document = await stream.readexactly(length)
+        message, buffers = frames.unpack_apart(document, size - frames.HEAD_BYTES - length)
+    except asyncio.IncompleteReadError as exc:
+        raise aiohttp.ClientPayloadError(f"the reply to {request} was cut off") from exc
+    except frames.FrameError as exc:
+        raise aiohttp.ClientPayloadError(f"the reply to {request} is no valid frame: {exc}") from exc
+    if not isinstance(message, dict):
+        raise aiohttp.ClientPayloadError(f"the reply to {request} is not a msgpack map")
+    await fill(stream, buffers)
+    return message
+
+
+async def fill(stream: aiohttp.StreamReader, buffers: list[memoryview]) -> None:
+    """Read the next bytes of a body into `buffers`, one after another, each chunk copied
+    once as it arrives (aiohttp.ClientPayloadError if the body ends first)."""
+    rest = memoryview(b"")  # what the last chunk held beyond the last buffer
+    for view in buffers:
+        got = 0
+        while got < len(view):
+            if not rest:
+                chunk, end_of_http_chunk = await stream.readchunk()
+                if not chunk:
+                    if end_of_http_chunk:
+                        continue
+                    raise aiohttp.ClientPayloadError(
+                        f"the body ended after {got} of {len(view)} bytes"
+                    )
+                rest = memoryview(chunk)
+            take = min(len(view) - got, len(rest))
+            view[got : got + take] = rest[:take]
+            got += take
+            rest = rest[take:]
 
 
 def compute_tile(

@@ -321,10 +321,9 @@ class PullLoop(CoordinatorSession):
 
     def _keep_inline(self, blobs: dict[str, bytes | memoryview]) -> None:
         """Operand panels sent inside the answer: checked against their names like any
-        download, then cached, so the assignments that use them fetch nothing. The largest
-        is cached as it came (a view of the answer, when framed); the others are copied, so
-        that the answer's memory goes when that one does."""
-        largest = max(blobs, key=lambda b: _size(blobs[b]), default=None)
+        download, then cached as they came, so the assignments that use them fetch nothing.
+        Each is memory of its own (client.read_framed reads every binary of a framed answer
+        apart), so the cache counts what it holds."""
         for blob_id, data in blobs.items():
             if not isinstance(data, bytes | memoryview):
                 continue
@@ -337,7 +336,7 @@ class PullLoop(CoordinatorSession):
                 self.log.error("ignoring an inline operand %s: %s", blob_id[:16], exc)
                 continue
             self.stats.bytes_down += len(data)
-            self.cache.put(blob_id, data if blob_id == largest else bytes(data))
+            self.cache.put(blob_id, data)
 
     def _in_progress(self) -> list[str]:
         ids = [job.assignment["result_id"] for job in self.queue]
@@ -587,10 +586,6 @@ class PullLoop(CoordinatorSession):
         except Exception as exc:  # failed on the way: nothing to give back
             if graceful:
                 self._failed("work", exc)
-
-
-def _size(data: object) -> int:
-    return len(data) if isinstance(data, bytes | memoryview) else 0
 
 
 def _done() -> asyncio.Future:

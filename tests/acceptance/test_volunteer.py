@@ -347,11 +347,10 @@ async def test_tiles_that_share_a_panel_download_it_once():
     assert await downloads.get("p", download) == b"panel" and calls == [1, 1]  # done: anew
 
 
-def test_panels_inside_a_framed_answer_are_cached_without_pinning_the_rest_of_it():
-    """The largest panel of an answer is cached as a view of it (no copy); the others are
-    copied, so that letting one go frees what the cache counted (a view would keep the
-    whole answer alive)."""
-    from kernels import frames
+def test_panels_inside_a_framed_answer_are_cached_each_in_memory_of_its_own():
+    """A framed answer's panels are read apart and cached as they came: letting one go
+    frees what the cache counted for it (a view of the whole answer would keep the other
+    panels, and the answer, alive)."""
     from volunteer.cache import BlobCache
     from volunteer.client import CoordinatorClient
     from volunteer.loop import PullLoop
@@ -361,17 +360,51 @@ def test_panels_inside_a_framed_answer_are_cached_without_pinning_the_rest_of_it
         kernels.encode_array(rng.standard_normal(n, dtype=np.float32)) for n in (60_000, 20_000)
     )
     ids = {kernels.blob_id(big): big, kernels.blob_id(small): small}
+    from kernels import frames
+
+    body = b"".join(bytes(part) for part in frames.pack({"blobs": ids}))
+    answer = asyncio.run(_read_framed(body, len(body), chunk=1000))
     loop = PullLoop(CoordinatorClient("http://127.0.0.1:9"), name="v", cache=BlobCache(1 << 30))
-    alone = frames.unpack(b"".join(frames.pack({"blobs": {kernels.blob_id(big): big}})))
-    loop._keep_inline(alone["blobs"])
-    assert isinstance(loop.cache.get(kernels.blob_id(big), count=False), memoryview)
-    loop.cache = BlobCache(1 << 30)
-    shared = frames.unpack(b"".join(frames.pack({"blobs": ids})))
-    loop._keep_inline(shared["blobs"])
+    loop._keep_inline(answer["blobs"])
     cached = {blob_id: loop.cache.get(blob_id, count=False) for blob_id in ids}
-    assert isinstance(cached[kernels.blob_id(big)], memoryview)
-    assert isinstance(cached[kernels.blob_id(small)], bytes)
     assert {k: bytes(v) for k, v in cached.items()} == ids
+    held = [memoryview(v).obj for v in cached.values()]
+    assert [memoryview(h).nbytes for h in held] == [len(big), len(small)]  # nothing else
+    assert loop.cache.bytes == len(big) + len(small)
+
+
+async def _read_framed(body: bytes, size: int, chunk: int) -> dict:
+    """A framed answer of `size` bytes as the volunteer's client reads it, from a stream
+    that delivers `body` `chunk` bytes at a time (chunks straddle the binaries' ends)."""
+    from unittest import mock
+
+    import aiohttp
+
+    from volunteer.client import read_framed
+
+    stream = aiohttp.StreamReader(mock.Mock(_reading_paused=False), 1 << 16)
+    for start in range(0, len(body), chunk):
+        stream.feed_data(body[start : start + chunk])
+    stream.feed_eof()
+    return await read_framed(stream, size, "POST /v1/work")
+
+
+def test_a_framed_answer_cut_short_or_lying_is_a_broken_reply():
+    import aiohttp
+    import msgpack
+
+    from kernels import frames
+
+    panel = b"\x05" * frames.BIG_BINARY
+    body = b"".join(bytes(part) for part in frames.pack({"blobs": {"p": panel}}))
+    with pytest.raises(aiohttp.ClientPayloadError, match="ended after"):
+        asyncio.run(_read_framed(body[:-10], len(body), chunk=4096))
+    # A binary claiming more than the body holds: refused before anything is allocated.
+    huge = msgpack.ExtType(1, (0).to_bytes(8, "little") + (1 << 40).to_bytes(8, "little"))
+    document = msgpack.packb({"blobs": {"p": huge}})
+    lying = b"THF1" + len(document).to_bytes(4, "little") + document
+    with pytest.raises(aiohttp.ClientPayloadError, match="runs past the body"):
+        asyncio.run(_read_framed(lying, len(lying), chunk=4096))
 
 
 def test_the_cache_hit_rate_counts_operands_that_cost_no_download_of_their_own():

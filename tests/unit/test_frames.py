@@ -62,3 +62,38 @@ def test_fields_added_to_an_encoded_map_go_behind_it_or_stay_plain():
 def test_malformed_frames_are_refused_with_what_is_wrong(body, words):
     with pytest.raises(frames.FrameError, match=words):
         frames.unpack(body)
+
+
+def test_a_message_read_apart_gives_each_binary_memory_of_its_own():
+    tile, panel = bytes(range(256)) * 512, b"\x07" * (frames.BIG_BINARY + 1)
+    body = body_of(frames.pack({"tile": tile, "blobs": {"p": panel}}))
+    length = frames.document_length(body[: frames.HEAD_BYTES], len(body))
+    end = frames.HEAD_BYTES + length
+    message, buffers = frames.unpack_apart(body[frames.HEAD_BYTES : end], len(body) - end)
+    assert [len(b) for b in buffers] == [len(tile), len(panel)]  # in trailer order
+    offset = end
+    for buffer in buffers:  # what a reader does as the trailer arrives
+        buffer[:] = body[offset : offset + len(buffer)]
+        offset += len(buffer)
+    assert bytes(message["tile"]) == tile and bytes(message["blobs"]["p"]) == panel
+    assert message["tile"].readonly and message["tile"].obj is not message["blobs"]["p"].obj
+
+
+def ref(offset: int, size: int) -> msgpack.ExtType:
+    return msgpack.ExtType(frames.REF, offset.to_bytes(8, "little") + size.to_bytes(8, "little"))
+
+
+@pytest.mark.parametrize(
+    ("document", "trailer", "words"),
+    [
+        (msgpack.packb([ref(0, 4), ref(8, 4)]), 12, "at 8 where the trailer is at 4"),
+        (msgpack.packb([ref(0, 4), ref(0, 4)]), 8, "at 0 where the trailer is at 4"),
+        (msgpack.packb([ref(0, 4)]), 12, "fill 4 of the trailer's 12"),
+        (msgpack.packb([ref(0, 1 << 40)]), 12, "runs past the body"),
+    ],
+)
+def test_a_document_read_apart_must_lay_its_binaries_end_to_end(document, trailer, words):
+    """A reader allocates each binary before its bytes arrive: a document may not claim
+    more, or other, binaries than the trailer it announced holds."""
+    with pytest.raises(frames.FrameError, match=words):
+        frames.unpack_apart(document, trailer)
