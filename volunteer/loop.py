@@ -37,6 +37,7 @@ from volunteer.policy import (
     memory_refusal,
     report_batch,
     report_due,
+    room_to_compute,
     time_to_ask,
     work_budget_mb,
 )
@@ -411,7 +412,23 @@ class PullLoop(CoordinatorSession):
         self.cache.put(blob_id, data)
         return data
 
+    async def _make_room(self) -> None:
+        """Deliver reports before computing the next tile while their tiles and its need
+        would overflow the work half of the budget (policy.room_to_compute)."""
+        while self.queue and not room_to_compute(
+            self.queue[0].assignment, self.threads, self.budget, [*self.sending, *self.pending]
+        ):
+            if self.asking is not None:  # its answer delivers the reports riding on it
+                await self._answer()
+            elif self.pending:
+                await self._flush()
+            else:
+                return
+
     async def _compute_next(self) -> None:
+        await self._make_room()
+        if not self.queue:  # the answer that made room aborted what was queued
+            return
         job = self.queue.popleft()
         assignment = job.assignment
         result_id = assignment["result_id"]

@@ -82,6 +82,20 @@ def tile_memory(assignment: dict[str, Any], threads: int) -> int:
     return 3 * tile + threads * WORKSPACE_PER_THREAD
 
 
+def room_to_compute(
+    assignment: dict[str, Any], threads: int, budget: int | None, reports: list[dict[str, Any]]
+) -> bool:
+    """Whether a tile may be computed now beside the tiles of `reports` not yet delivered:
+    their tiles and its need (tile_memory) within the work half of `budget` (None: no
+    limit). A report's tile stays in memory until the coordinator has answered it, and
+    on an uplink slower than the kernel finished tiles would pile up past the memory
+    limit. With nothing waiting, always: memory_refusal has judged the tile alone."""
+    if budget is None:
+        return True
+    waiting = sum(len(r.get("tile", b"")) for r in reports)
+    return not waiting or waiting + tile_memory(assignment, threads) <= budget // 2
+
+
 def work_budget_mb(budget: int | None, threads: int) -> int:
     """What a host tells the coordinator it can hold for one work unit: half its memory
     budget (the other half caches operands), less the kernel's workspace; 0: no limit."""

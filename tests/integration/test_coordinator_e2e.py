@@ -436,6 +436,48 @@ async def test_a_quick_tile_does_not_ask_ahead(tmp_path, rng):
     assert volunteer.stats.reported == 3
 
 
+class Bounded(ScriptedVolunteer):
+    """A volunteer that notes, as each tile starts, the tile bytes still undelivered and
+    whether more tiles were queued behind it."""
+
+    def __init__(self, url: str, name: str, behaviour: Behaviour) -> None:
+        super().__init__(url, name, behaviour)
+        self.waiting_at_start: list[int] = []
+        self.queued_behind: list[int] = []
+
+    async def _kernel(self, assignment, a, b):
+        self.queued_behind.append(len(self.queue))
+        reports = [*self.sending, *self.pending]
+        self.waiting_at_start.append(sum(len(r.get("tile", b"")) for r in reports))
+        return await super()._kernel(assignment, a, b)
+
+
+async def test_finished_tiles_waiting_to_be_reported_hold_the_next_tile_back(tmp_path, rng):
+    """A volunteer's finished tiles stay in memory until the coordinator has them; while
+    they and the next tile would overflow its work half, it reports before computing on,
+    so a slow uplink cannot carry it past --max-memory. Every tile still reported once."""
+    from volunteer.policy import tile_memory
+
+    async with running(tmp_path, policy=Policy.FREIVALDS, tile=16) as (_co, queue, url):
+        volunteer = Bounded(url, "bounded", Behaviour(capacity=4))
+        tile = len(kernels.encode_array(np.zeros((16, 16), np.float32)))
+        need = tile_memory({"m": 16, "n": 16}, volunteer.threads)
+        volunteer.budget = 2 * (need + tile // 2)  # room for a tile and its operands alone
+        stop = asyncio.Event()
+        task = asyncio.create_task(volunteer.run(stop))
+        pairs = [operands(rng, 16, 16, 2, False, False) for _ in range(8)]
+        products = (queue.matmul(a, b, label=f"p{i}") for i, (a, b) in enumerate(pairs))
+        results = await asyncio.wait_for(asyncio.gather(*products), TIMEOUT)
+        stop.set()
+        await task
+    for (a, b), got in zip(pairs, results, strict=True):
+        assert np.array_equal(bits(got), bits(kernels.gemm(a, b)))
+    # Tiles came several at a time, yet each was reported before the next began.
+    assert max(volunteer.queued_behind) > 0
+    assert volunteer.waiting_at_start == [0] * 8
+    assert volunteer.stats.reported == 8 and volunteer.stats.duplicate == 0
+
+
 async def test_a_done_products_blobs_leave_memory_but_a_panel_another_reads_stays(tmp_path, rng):
     """A finished product's tiles and panels are let go at once (nothing fills memory until
     the next checkpoint); a panel another product in flight reads is kept, and a host that
