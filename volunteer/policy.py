@@ -76,8 +76,10 @@ def report_due(pending: list[dict[str, Any]], queued: int) -> bool:
 
 
 def tile_memory(assignment: dict[str, Any], threads: int) -> int:
-    """Bytes one assignment needs beyond the operand cache: the tile, its encoded blob and
-    its copy in the report body, and the kernel's per-thread packing workspace."""
+    """Bytes one assignment needs beyond the operand cache: the kernel's per-thread packing
+    workspace and the tile three times over. The kernel writes the tile into its blob and
+    the report sends that blob uncopied, so the other two make room for finished tiles
+    still on their way to the coordinator while this one computes (room_to_compute)."""
     tile = 4 * assignment["m"] * assignment["n"]
     return 3 * tile + threads * WORKSPACE_PER_THREAD
 

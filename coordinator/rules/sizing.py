@@ -41,7 +41,8 @@ class SizingConfig:
 
 def tile_memory(tm: int, tn: int, k: int) -> int:
     """Bytes a volunteer needs for a tm x tn tile over k: both panels and the tile three
-    times (as the scheduler counts it: computed, encoded, copied into the report)."""
+    times (as the volunteer counts it, volunteer/policy.py: the tile being computed and
+    finished ones on their way, which it holds within its work half)."""
     return 4 * (tm * k + k * tn) + 12 * tm * tn
 
 
