@@ -243,7 +243,8 @@ async def read_framed(stream: aiohttp.StreamReader, size: int, request: str) -> 
     except asyncio.IncompleteReadError as exc:
         raise aiohttp.ClientPayloadError(f"the reply to {request} was cut off") from exc
     except frames.FrameError as exc:
-        raise aiohttp.ClientPayloadError(f"the reply to {request} is no valid frame: {exc}") from exc
+        why = f"the reply to {request} is no valid frame: {exc}"
+        raise aiohttp.ClientPayloadError(why) from exc
     if not isinstance(message, dict):
         raise aiohttp.ClientPayloadError(f"the reply to {request} is not a msgpack map")
     await fill(stream, buffers)
