@@ -10,9 +10,12 @@ BIG_BINARY bytes or more moved behind the document:
     document  msgpack                each moved binary replaced by ExtType(REF, offset, size)
     trailer   the moved binaries, one after another (offset: from the trailer's start)
 
-The sender writes the binaries from where they are; the receiver gets each one as a
-read-only view of the body it read. Coordinator and volunteer both speak it (the content
-type CONTENT_TYPE, docs/protocol.md) and fall back to plain msgpack with a peer that does not.
+The sender writes the binaries from where they are, one after another in the order the
+document names them. The receiver gets each one as a read-only view of the body it read
+(`unpack`), or, reading the document before the trailer, in memory of its own
+(`unpack_apart`: the volunteer, so that a panel it keeps holds no other). Coordinator and
+volunteer both speak it (the content type CONTENT_TYPE, docs/protocol.md) and fall back to
+plain msgpack with a peer that does not.
 """
 
 from __future__ import annotations
@@ -132,7 +135,7 @@ def unpack_apart(document: Buffer, trailer_size: int) -> tuple[Any, list[memoryv
     only its own bytes, where a view of a whole body would hold every other binary in it.
     FrameError unless the binaries fill the trailer exactly, one after another, as
     `pack` lays them out (so a lying document cannot make the reader allocate more than
-    the body it sent)."""
+    the body it announced)."""
     buffers: list[memoryview] = []
     filled = 0
 

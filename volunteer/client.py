@@ -255,6 +255,7 @@ async def fill(stream: aiohttp.StreamReader, buffers: list[memoryview]) -> None:
     """Read the next bytes of a body into `buffers`, one after another, each chunk copied
     once as it arrives (aiohttp.ClientPayloadError if the body ends first)."""
     rest = memoryview(b"")  # what the last chunk held beyond the last buffer
+    total, done = sum(len(view) for view in buffers), 0
     for view in buffers:
         got = 0
         while got < len(view):
@@ -264,13 +265,14 @@ async def fill(stream: aiohttp.StreamReader, buffers: list[memoryview]) -> None:
                     if end_of_http_chunk:
                         continue
                     raise aiohttp.ClientPayloadError(
-                        f"the body ended after {got} of {len(view)} bytes"
+                        f"the body ended after {done + got} of {total} bytes"
                     )
                 rest = memoryview(chunk)
             take = min(len(view) - got, len(rest))
             view[got : got + take] = rest[:take]
             got += take
             rest = rest[take:]
+        done += got
 
 
 def compute_tile(

@@ -23,7 +23,7 @@ from volunteer.backoff import Backoff
 from volunteer.cache import BlobCache
 from volunteer.client import CoordinatorClient, compute_tile
 from volunteer.loop import PullLoop
-from volunteer.policy import MB, WORKSPACE_PER_THREAD, computes_inline
+from volunteer.policy import GROWTH, MB, WORKSPACE_PER_THREAD, computes_inline
 from volunteer.session import ProjectFinished, Quarantined
 from volunteer.state import StateDir
 
@@ -104,16 +104,18 @@ class Volunteer(PullLoop):
                 os.nice(19)
         self.gflops = measure_gflops(self.config.threads)
         footprint = current_rss_mb()
-        spare = self.config.max_memory_mb - footprint
+        spare = self.config.max_memory_mb - footprint - GROWTH / MB
         minimum = self.config.threads * WORKSPACE_PER_THREAD / MB + 8
         if spare < minimum:
+            needed = footprint + GROWTH / MB + minimum
             raise NotEnoughMemory(
                 f"--max-memory {self.config.max_memory_mb} MB is too small: this process "
-                f"already uses {footprint:.0f} MB and needs at least {minimum:.0f} MB more "
-                f"for work; use --max-memory {int(footprint + minimum) + 1} or more"
+                f"already uses {footprint:.0f} MB, grows by about {GROWTH / MB:.0f} MB as "
+                f"it works and needs at least {minimum:.0f} MB more for work; use "
+                f"--max-memory {int(needed) + 1} or more"
             )
         self.budget = int(spare * MB)
-        # Half for cached operands, half for the tiles being computed and reported.
+        # Half for cached operands, half for the tile being computed and those reported.
         self.cache = BlobCache(self.budget // 2)
         log.info(
             "kernel %s: %.1f GFLOPS on %d threads; memory budget %.0f MB of %d MB",

@@ -322,9 +322,10 @@ class PullLoop(CoordinatorSession):
 
     def _keep_inline(self, blobs: dict[str, bytes | memoryview]) -> None:
         """Operand panels sent inside the answer: checked against their names like any
-        download, then cached as they came, so the assignments that use them fetch nothing.
-        Each is memory of its own (client.read_framed reads every binary of a framed answer
-        apart), so the cache counts what it holds."""
+        download, then cached, so the assignments that use them fetch nothing. Each is
+        cached as it came when it is memory of its own (client.read_framed reads every
+        binary of a framed answer apart) and copied when it is a view of a larger body
+        (a framed answer of no announced length), so that the cache holds what it counts."""
         for blob_id, data in blobs.items():
             if not isinstance(data, bytes | memoryview):
                 continue
@@ -337,6 +338,8 @@ class PullLoop(CoordinatorSession):
                 self.log.error("ignoring an inline operand %s: %s", blob_id[:16], exc)
                 continue
             self.stats.bytes_down += len(data)
+            if isinstance(data, memoryview) and memoryview(data.obj).nbytes > data.nbytes:
+                data = bytes(data)
             self.cache.put(blob_id, data)
 
     def _in_progress(self) -> list[str]:
@@ -413,21 +416,23 @@ class PullLoop(CoordinatorSession):
         return data
 
     async def _make_room(self) -> None:
-        """Deliver reports before computing the next tile while their tiles and its need
-        would overflow the work half of the budget (policy.room_to_compute)."""
-        while self.queue and not room_to_compute(
-            self.queue[0].assignment, self.threads, self.budget, [*self.sending, *self.pending]
+        """Deliver reports before computing the next tile while their tiles and it would
+        overflow the work half of the budget (policy.room_to_compute). The batch riding
+        on a work request in flight is not waited for: that answer may be a long poll.
+        It is one batch, and the three shares of a tile (policy.tile_memory) that sized
+        the work leave room for it."""
+        while (
+            self.queue
+            and self.pending
+            and not room_to_compute(
+                self.queue[0].assignment, self.threads, self.budget, [*self.sending, *self.pending]
+            )
         ):
-            if self.asking is not None:  # its answer delivers the reports riding on it
-                await self._answer()
-            elif self.pending:
-                await self._flush()
-            else:
-                return
+            await self._flush()
 
     async def _compute_next(self) -> None:
         await self._make_room()
-        if not self.queue:  # the answer that made room aborted what was queued
+        if not self.queue:  # the answer to an ask in flight aborted what was queued
             return
         job = self.queue.popleft()
         assignment = job.assignment

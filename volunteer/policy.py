@@ -6,6 +6,11 @@ from typing import Any
 
 MB = 1 << 20
 WORKSPACE_PER_THREAD = 2 * MB  # the kernel's packing buffers, with room to spare
+# What the daemon's own memory grows by once it works (Python's objects, answers and
+# reports being read and written, the sockets' buffers), beyond its footprint at start
+# and the budget: 11-13 MB at the larger project's peaks (docs/performance.md, the
+# twentieth round).
+GROWTH = 16 * MB
 MAX_CAPACITY = 64  # tiles queued at most: as many as a trusted host may hold
 REPORT_BATCH = 64  # results per report at most
 REPORT_BYTES = 8 * MB  # tile bytes per report: a report is sent once this much is waiting
@@ -88,14 +93,15 @@ def room_to_compute(
     assignment: dict[str, Any], threads: int, budget: int | None, reports: list[dict[str, Any]]
 ) -> bool:
     """Whether a tile may be computed now beside the tiles of `reports` not yet delivered:
-    their tiles and its need (tile_memory) within the work half of `budget` (None: no
-    limit). A report's tile stays in memory until the coordinator has answered it, and
-    on an uplink slower than the kernel finished tiles would pile up past the memory
-    limit. With nothing waiting, always: memory_refusal has judged the tile alone."""
+    those tiles, this one and the kernel's workspace within the work half of `budget`
+    (None: no limit). A report's tile stays in memory until the coordinator has answered
+    it, and on an uplink slower than the kernel finished tiles would pile up past the
+    memory limit. With nothing waiting, always: memory_refusal has judged the tile alone."""
     if budget is None:
         return True
     waiting = sum(len(r.get("tile", b"")) for r in reports)
-    return not waiting or waiting + tile_memory(assignment, threads) <= budget // 2
+    tile = 4 * assignment["m"] * assignment["n"]
+    return not waiting or waiting + tile + threads * WORKSPACE_PER_THREAD <= budget // 2
 
 
 def work_budget_mb(budget: int | None, threads: int) -> int:

@@ -129,7 +129,8 @@ def stale_panels(
 
 def memory_need(wu: WorkUnit, panel_bytes: dict[str, int]) -> int:
     """Bytes a volunteer needs for one work unit: both panels, and the tile three times
-    (computed, encoded as a blob, copied into the report)."""
+    (the one computed and room for finished ones on their way, as volunteer/policy.py
+    tile_memory counts it)."""
     m, n, _ = wu.shape
     return panel_bytes.get(wu.a_panel, 0) + panel_bytes.get(wu.b_panel, 0) + 12 * m * n
 

@@ -371,6 +371,10 @@ def test_panels_inside_a_framed_answer_are_cached_each_in_memory_of_its_own():
     held = [memoryview(v).obj for v in cached.values()]
     assert [memoryview(h).nbytes for h in held] == [len(big), len(small)]  # nothing else
     assert loop.cache.bytes == len(big) + len(small)
+    # A framed answer of no announced length is read whole, its panels views of it: copied.
+    loop.cache = BlobCache(1 << 30)
+    loop._keep_inline(frames.unpack(body)["blobs"])
+    assert all(isinstance(loop.cache.get(blob_id, count=False), bytes) for blob_id in ids)
 
 
 async def _read_framed(body: bytes, size: int, chunk: int) -> dict:

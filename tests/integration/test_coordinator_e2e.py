@@ -455,26 +455,32 @@ class Bounded(ScriptedVolunteer):
 async def test_finished_tiles_waiting_to_be_reported_hold_the_next_tile_back(tmp_path, rng):
     """A volunteer's finished tiles stay in memory until the coordinator has them; while
     they and the next tile would overflow its work half, it reports before computing on,
-    so a slow uplink cannot carry it past --max-memory. Every tile still reported once."""
-    from volunteer.policy import tile_memory
+    so that tiles waiting for an uplink or for a fuller batch cannot carry it past
+    --max-memory. Every tile still reported once, the products exact."""
+    from volunteer.policy import WORKSPACE_PER_THREAD, tile_memory
 
-    async with running(tmp_path, policy=Policy.FREIVALDS, tile=16) as (_co, queue, url):
-        volunteer = Bounded(url, "bounded", Behaviour(capacity=4))
+    async with running(tmp_path, policy=Policy.FREIVALDS, tile=16) as (co, queue, url):
+        pairs = [operands(rng, 16, 16, 2, False, False) for _ in range(8)]
+        products = [
+            asyncio.ensure_future(queue.matmul(a, b, label=f"p{i}"))
+            for i, (a, b) in enumerate(pairs)
+        ]
+        await wait_until(lambda: len(co.ledger.unsent) == 8)  # all eight to hand out at once
+        volunteer = Bounded(url, "bounded", Behaviour(capacity=8))
         tile = len(kernels.encode_array(np.zeros((16, 16), np.float32)))
-        need = tile_memory({"m": 16, "n": 16}, volunteer.threads)
-        volunteer.budget = 2 * (need + tile // 2)  # room for a tile and its operands alone
+        panels = 2 * len(kernels.encode_array(np.zeros((16, 2), np.float32)))
+        half = tile_memory({"m": 16, "n": 16}, volunteer.threads) + panels  # one tile fits
+        volunteer.budget = 2 * half
         stop = asyncio.Event()
         task = asyncio.create_task(volunteer.run(stop))
-        pairs = [operands(rng, 16, 16, 2, False, False) for _ in range(8)]
-        products = (queue.matmul(a, b, label=f"p{i}") for i, (a, b) in enumerate(pairs))
         results = await asyncio.wait_for(asyncio.gather(*products), TIMEOUT)
         stop.set()
         await task
     for (a, b), got in zip(pairs, results, strict=True):
         assert np.array_equal(bits(got), bits(kernels.gemm(a, b)))
-    # Tiles came several at a time, yet each was reported before the next began.
-    assert max(volunteer.queued_behind) > 0
-    assert volunteer.waiting_at_start == [0] * 8
+    assert max(volunteer.queued_behind) >= 3  # tiles enough to pile up behind one another
+    room = half - WORKSPACE_PER_THREAD * volunteer.threads - 4 * 16 * 16
+    assert max(volunteer.waiting_at_start) <= room < 3 * tile
     assert volunteer.stats.reported == 8 and volunteer.stats.duplicate == 0
 
 
