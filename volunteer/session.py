@@ -116,9 +116,12 @@ class CoordinatorSession:
                 self._failed(getattr(exc, "endpoint", endpoint), exc)
                 delay = self.backoff.next_delay()
                 self.state = "offline"
-                self.note = (
-                    f"cannot reach coordinator ({type(exc).__name__}); retry in {delay:.1f}s"
+                what = (
+                    "a reply from the coordinator broke off or was malformed"
+                    if isinstance(exc, aiohttp.ClientPayloadError)
+                    else "cannot reach coordinator"
                 )
+                self.note = f"{what} ({type(exc).__name__}); retry in {delay:.1f}s"
                 self.log.warning(self.note)
                 await wait(stop, delay)
 

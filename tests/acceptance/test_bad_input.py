@@ -16,6 +16,7 @@ from collections.abc import Iterator
 
 import pytest
 
+from kernels import frames
 from tests.procs import poll, start_volunteer, stop, tilehive, volunteer_status
 
 USAGE = "give http://HOST:PORT or https://HOST:PORT (e.g. http://127.0.0.1:8470)"
@@ -226,6 +227,30 @@ def test_a_server_that_drops_connections_is_retried_not_abandoned(tmp_path, reap
         listener.close()
         thread.join()
     assert NOT_TILEHIVE not in (tmp_path / "vol" / "out").read_text()
+
+
+@pytest.fixture
+def mangled_frames() -> Iterator[str]:
+    """Answers in tilehive's framed content type whose document overruns the body."""
+    yield from serve(page(200, frames.CONTENT_TYPE, b"THF1\xff\x00\x00\x00" + b"x" * 10))
+
+
+def test_a_malformed_framed_answer_is_retried_as_a_broken_reply(tmp_path, reaper, mangled_frames):
+    """A reply that broke off or was mangled on the way: retried after a backoff and named
+    so, not taken for another web server nor for a coordinator that cannot be reached."""
+    volunteer = reaper(start_volunteer(mangled_frames, tmp_path / "vol"))
+    try:
+        poll(
+            lambda: volunteer_status(tmp_path / "vol").get("errors", 0) >= 2,
+            what="two failed attempts",
+        )
+        status = volunteer_status(tmp_path / "vol")
+        assert status["state"] == "offline" and volunteer.poll() is None
+        assert status["note"].startswith("a reply from the coordinator broke off")
+    finally:
+        assert stop(volunteer) == 0
+    out = (tmp_path / "vol" / "out").read_text()
+    assert NOT_TILEHIVE not in out and "Traceback" not in out
 
 
 @pytest.mark.parametrize(
