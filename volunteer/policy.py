@@ -76,8 +76,7 @@ def report_due(pending: list[dict[str, Any]], queued: int) -> bool:
     """Send reports when nothing is left to compute, or when a full batch is waiting."""
     if not pending:
         return False
-    waiting = sum(len(r.get("tile", b"")) for r in pending)
-    return not queued or len(pending) >= REPORT_BATCH or waiting >= REPORT_BYTES
+    return not queued or len(pending) >= REPORT_BATCH or waiting_bytes(pending) >= REPORT_BYTES
 
 
 def tile_memory(assignment: dict[str, Any], threads: int) -> int:
@@ -85,8 +84,17 @@ def tile_memory(assignment: dict[str, Any], threads: int) -> int:
     workspace and the tile three times over. The kernel writes the tile into its blob and
     the report sends that blob uncopied, so the other two make room for finished tiles
     still on their way to the coordinator while this one computes (room_to_compute)."""
-    tile = 4 * assignment["m"] * assignment["n"]
-    return 3 * tile + threads * WORKSPACE_PER_THREAD
+    return 3 * output_bytes(assignment) + threads * WORKSPACE_PER_THREAD
+
+
+def output_bytes(assignment: dict[str, Any]) -> int:
+    """The bytes of an assignment's float32 output tile."""
+    return 4 * assignment["m"] * assignment["n"]
+
+
+def waiting_bytes(reports: list[dict[str, Any]]) -> int:
+    """The tile bytes these reports hold (a report in error holds none)."""
+    return sum(len(r.get("tile", b"")) for r in reports)
 
 
 def room_to_compute(
@@ -99,9 +107,9 @@ def room_to_compute(
     memory limit. With nothing waiting, always: memory_refusal has judged the tile alone."""
     if budget is None:
         return True
-    waiting = sum(len(r.get("tile", b"")) for r in reports)
-    tile = 4 * assignment["m"] * assignment["n"]
-    return not waiting or waiting + tile + threads * WORKSPACE_PER_THREAD <= budget // 2
+    waiting = waiting_bytes(reports)
+    need = output_bytes(assignment) + threads * WORKSPACE_PER_THREAD
+    return not waiting or waiting + need <= budget // 2
 
 
 def work_budget_mb(budget: int | None, threads: int) -> int:
