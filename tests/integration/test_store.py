@@ -309,6 +309,45 @@ async def test_results_an_older_coordinator_wrote_unsent_are_dropped_on_upgrade(
         await store.close()
 
 
+async def test_an_upgraded_projects_log_reads_as_before_and_goes_on(tmp_path):
+    """Schema 6 drops the events' kind and step indexes: a project's log from before reads
+    the same by kind and by step, and new events follow the old ones."""
+    path = tmp_path / "state.db"
+    store = SqliteStore(path)
+    await store.open()
+    gemm, host, wu, _ = records()
+    old = [
+        Event(1.0, "wu", "validated", "quorum", 1, gemm.id, wu.id),
+        Event(2.0, "host", "registered", "host 1 'a'", host_id=1),
+        Event(3.0, "wu", "assimilated", "tile written", 1, gemm.id, wu.id),
+    ]
+    await store.commit(Batch({gemm.id: gemm}, {wu.id: wu}, {}, {1: host}, old))
+    await store.close()
+    db = sqlite3.connect(path)
+    db.execute("CREATE INDEX events_kind ON events(kind, id)")  # as schema 5 left them
+    db.execute("CREATE INDEX events_step ON events(step)")
+    db.execute("PRAGMA user_version = 5")
+    db.commit()
+    db.close()
+    store = SqliteStore(path)
+    await store.open()
+    try:
+        assert [e.state for e in await store.events(kind="wu")] == ["validated", "assimilated"]
+        assert [e.state for e in await store.events(step=1)] == ["validated", "assimilated"]
+        await store.commit(Batch(events=[Event(4.0, "gemm", "done", "done", 1, gemm.id)]))
+        events = await store.events()
+        assert [e.time for e in events] == [1.0, 2.0, 3.0, 4.0]
+        assert events[-1].id > events[-2].id
+        db = sqlite3.connect(path)
+        indexes = db.execute(
+            "SELECT name FROM sqlite_master WHERE type = 'index' AND tbl_name = 'events'"
+        ).fetchall()
+        db.close()
+        assert not [name for (name,) in indexes if not name.startswith("sqlite_")]
+    finally:
+        await store.close()
+
+
 async def test_panel_steps_are_the_newest_step_of_each_stored_panel(store):
     gemm, host, wu, _ = records()
     later = wu.evolve(id="v" * 64, step=7, b_panel="b" * 64)
