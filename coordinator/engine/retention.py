@@ -10,6 +10,7 @@ import enum
 import gzip
 import json
 from pathlib import Path
+from typing import Any
 
 from coordinator.state.blobs import BlobStore
 from coordinator.state.ledger import Ledger
@@ -65,9 +66,14 @@ def archive(path: Path, records: list) -> None:
     if not records:
         return
     path.parent.mkdir(parents=True, exist_ok=True)
-    lines = "".join(json.dumps(_plain(dataclasses.asdict(r))) + "\n" for r in records)
+    lines = "".join(json.dumps(_plain(_fields(r))) + "\n" for r in records)
     with gzip.open(path, "at", encoding="utf-8") as f:
         f.write(lines)
+
+
+def _fields(record: Any) -> dict:
+    """A record's fields by name: a dataclass's, or a named tuple's (Event)."""
+    return record._asdict() if isinstance(record, tuple) else dataclasses.asdict(record)
 
 
 def _plain(record: dict) -> dict:

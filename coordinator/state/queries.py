@@ -58,12 +58,20 @@ WRITES: dict[str, type] = {
 @functools.cache
 def columns(record_type: type) -> tuple[str, ...]:
     """A record type's field names: the order of its values in a row."""
+    if issubclass(record_type, tuple):  # a named tuple (Event)
+        return record_type._fields
     return tuple(f.name for f in dataclasses.fields(record_type))
 
 
 @functools.cache
 def _getter(record_type: type) -> Callable[[Any], tuple]:
+    if issubclass(record_type, tuple):  # a named tuple is its own row
+        return _itself
     return operator.attrgetter(*columns(record_type))
+
+
+def _itself(record: tuple) -> tuple:
+    return record
 
 
 def values(record: Any) -> tuple:

@@ -142,7 +142,7 @@ async def test_every_changed_field_survives_a_reload(driver, store):
     assert snapshot.results == [changed_result]
     assert snapshot.hosts == [changed_host]
     (logged,) = await store.events()
-    assert dataclasses.replace(logged, id=None) == event
+    assert logged.evolve(id=None) == event
     await store.commit(Batch({gemm.id: gemm.evolve(state=GemmState.DONE)}))
     assert (await store.load()).gemms == []
     assert (await store.gemm(gemm.id)).state is GemmState.DONE
