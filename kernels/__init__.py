@@ -12,6 +12,7 @@ from kernels.hashing import (
     decode_array,
     encode_array,
     is_blob_id,
+    is_float32_blob,
     verify_blob,
 )
 
@@ -31,6 +32,7 @@ __all__ = [
     "encode_array",
     "gemm",
     "is_blob_id",
+    "is_float32_blob",
     "kernel_name",
     "verify_blob",
 ]

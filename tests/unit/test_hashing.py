@@ -17,6 +17,7 @@ from kernels import (
     decode_array,
     encode_array,
     is_blob_id,
+    is_float32_blob,
     verify_blob,
 )
 from kernels.hashing import MAGIC
@@ -103,6 +104,15 @@ MALFORMED = [
 def test_malformed_blobs_raise_a_decode_error(blob, message):
     with pytest.raises(BlobDecodeError, match=message):
         decode_array(blob)
+
+
+def test_a_float32_blob_of_a_shape_is_exactly_what_decodes_to_it(x):
+    """The report's fast check of a tile agrees with decoding it, for every malformed blob
+    above and for well-formed blobs of another shape or dtype."""
+    assert is_float32_blob(encode_array(x), x.shape)
+    others = [encode_array(x.T), encode_array(x.astype(np.float64)), encode_array(x[:, :6])]
+    for blob in [b for b, _ in MALFORMED] + others + [encode_array(x) + b"\0"]:
+        assert not is_float32_blob(blob, x.shape)
 
 
 def test_decode_enforces_a_size_limit(x):
