@@ -65,9 +65,9 @@ def _float32_header(shape: tuple[int, ...]) -> bytes:
 
 def is_float32_blob(blob: bytes | bytearray | memoryview, shape: tuple[int, ...]) -> bool:
     """True if `blob` is exactly the blob of a float32 array of `shape` (a tile as a report
-    must carry it): its header compared as bytes, its length checked, nothing decoded. A
-    report of many small tiles checked each by decode_array spent more on building arrays
-    than on the rest of the check (docs/performance.md, the twenty-first round)."""
+    must carry it): its header compared as bytes, its length checked, nothing decoded
+    (0.4 us for a small tile, against 1.9 for decode_array; docs/performance.md, the
+    twenty-first round)."""
     header = _float32_header(tuple(shape))
     view = memoryview(blob).cast("B")
     return len(view) == len(header) + 4 * math.prod(shape) and view[: len(header)] == header
