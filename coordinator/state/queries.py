@@ -56,6 +56,22 @@ WRITES: dict[str, type] = {
 
 
 @functools.cache
+def many_rows(sql: str, n: int, width: int) -> str:
+    """A write of WRITES (one row: a VALUES group of numbered parameters, ?1 to ?width) as a
+    write of n rows at once: the group repeated, the i-th copy's parameters numbered from
+    i * width + 1, so that the rows' values follow one another in one flat sequence."""
+    match = re.search(r"VALUES\s*(\([^()]*\))", sql)
+    if match is None:
+        raise ValueError("not a write of one VALUES group")
+    group = match.group(1)
+    copies = [
+        re.sub(r"\?(\d+)", lambda p, at=i * width: f"?{int(p.group(1)) + at}", group)
+        for i in range(n)
+    ]
+    return sql[: match.start(1)] + ",\n".join(copies) + sql[match.end(1) :]
+
+
+@functools.cache
 def columns(record_type: type) -> tuple[str, ...]:
     """A record type's field names: the order of its values in a row."""
     if issubclass(record_type, tuple):  # a named tuple (Event)

@@ -348,6 +348,23 @@ async def test_an_upgraded_projects_log_reads_as_before_and_goes_on(tmp_path):
         await store.close()
 
 
+async def test_a_commit_of_hundreds_of_events_keeps_each_whole_and_in_order(store):
+    """The SQLite store binds many events a statement (256, then powers of two): every
+    event of a large commit comes back whole, numbered in the order it was logged."""
+    gemm, host, wu, result = records()
+    events = [
+        Event(
+            float(i), "result", f"s{i}", f"m{i}", i % 7, gemm.id, wu.id, result.id, 1, data=f"{i}"
+        )
+        for i in range(256 + 64 + 32 + 5)
+    ]
+    await store.commit(Batch({gemm.id: gemm}, {wu.id: wu}, {result.id: result}, {1: host}, events))
+    logged = await store.events(limit=1000)
+    assert [e.evolve(id=None) for e in logged] == events
+    ids = [e.id for e in logged]
+    assert ids == sorted(ids) and len(set(ids)) == len(ids)
+
+
 async def test_panel_steps_are_the_newest_step_of_each_stored_panel(store):
     gemm, host, wu, _ = records()
     later = wu.evolve(id="v" * 64, step=7, b_panel="b" * 64)
