@@ -307,7 +307,7 @@ class Scheduler:
         ledger.put_result(result)
         if result.report_deadline < wu.transition_time:
             wu = wu.evolve(transition_time=result.report_deadline)
-            ledger.put_wu(wu)
+            ledger.reschedule(wu)
         plan.events.append(
             _event(
                 wu,

@@ -20,6 +20,7 @@ import kernels
 from coordinator.cli import serve
 from coordinator.engine.config import CoordinatorConfig
 from coordinator.engine.coordinator import Coordinator
+from coordinator.rules.scheduler import SchedulerConfig
 from coordinator.state.memory import MemoryStore
 from coordinator.work.protocol import RegisterRequest, ReportRequest, ResultReport, WorkRequest
 from coordinator.work.records import Policy
@@ -212,6 +213,51 @@ async def test_replicas_not_yet_sent_are_not_written_and_are_issued_again_after_
     np.testing.assert_array_equal(bits(product), bits(kernels.gemm(a, b)))
     _, results = await store.gemm_work(gemm["id"])
     assert len(results) == 4 and all(r.server_state.value == "over" for r in results)
+
+
+async def test_replicas_sent_before_a_restart_time_out_after_it(tmp_path, rng):
+    """A replica's deadline is written with it; its work unit's transition time, which a
+    send only moves earlier, is not (Ledger.reschedule). A coordinator restarted while a
+    host that went silent holds replicas still times them out and has them computed
+    again, and the product has the kernel's bits."""
+    config = CoordinatorConfig(
+        directory=tmp_path,
+        tile=16,
+        policy=Policy.QUORUM,
+        seed=1,
+        long_poll=0.05,
+        scheduler=SchedulerConfig(deadline_floor=0.3, deadline_slack=0.0),
+    )
+    store = MemoryStore()
+    a, b = operands(rng, 32, 16, 8, False, False)
+    co = Coordinator(config, store)
+    await co.start()
+    pending = asyncio.create_task(co.products.matmul(a, b))
+    await wait_until(lambda: co.ledger.unsent)
+    await co.ledger.flush()  # published: the sends below only move the transition times
+    sent = set()
+    for name in ("silent-1", "silent-2"):  # each takes one replica of each work unit
+        host, _ = await co.hosts.register(RegisterRequest(name, 10.0, 1, 512), time.time())
+        request = WorkRequest(name, 8, (), (), None, False)
+        reply = (await co.requests.request_work(host, request, time.time())).body
+        sent |= {a["result_id"] for a in msgpack.unpackb(reply)["assignments"]}
+    assert len(sent) == 4  # every replica: no report will touch these work units
+    await co.stop()
+    pending.cancel()
+    again = Coordinator(config, store)
+    await again.start()
+    stop = asyncio.Event()
+    hosts = [asyncio.create_task(honest_host(again, f"h{i}", stop)) for i in range(2)]
+    try:
+        product = await asyncio.wait_for(again.products.matmul(a, b), 30)
+    finally:
+        stop.set()
+        await asyncio.gather(*hosts)
+        await again.stop()
+    np.testing.assert_array_equal(bits(product), bits(kernels.gemm(a, b)))
+    (gemm,) = store.tables["gemms"].values()
+    _, results = await store.gemm_work(gemm["id"])
+    assert {r.outcome.value for r in results if r.id in sent} == {"no_reply"}
 
 
 def lose_every_blob(config: CoordinatorConfig) -> None:
