@@ -99,7 +99,11 @@ class Reports:
         for entry in request.results:
             result = self.ledger.results.get(entry.result_id)
             if result is None:
-                result = await self.store.result(entry.result_id)
+                # Its GEMM is done and left memory. A replica sent just before (a spare for
+                # the tail) may come back before the commit that writes it has landed.
+                result = self.ledger.unwritten_result(entry.result_id)
+                if result is None:
+                    result = await self.store.result(entry.result_id)
                 if result is None:
                     # Purged with its step after a checkpoint, or never ours: nothing to
                     # apply either way, and the rest of the report still counts.

@@ -259,6 +259,11 @@ class Ledger:
 
     # ---- committing ----------------------------------------------------------------------
 
+    def unwritten_result(self, result_id: str) -> Result | None:
+        """A result whose latest change is not in the store yet (queued, or in the commit
+        under way), though its GEMM may have left memory."""
+        return self._batch.results.get(result_id) or self._committing.results.get(result_id)
+
     def is_queued(self, gemm_id: str) -> bool:
         """True when a change to this GEMM is not in the store yet: queued, or in the
         commit under way."""

@@ -20,10 +20,19 @@ import kernels
 from coordinator.cli import serve
 from coordinator.engine.config import CoordinatorConfig
 from coordinator.engine.coordinator import Coordinator
+from coordinator.engine.products import new_result_id
 from coordinator.rules.scheduler import SchedulerConfig
 from coordinator.state.memory import MemoryStore
 from coordinator.work.protocol import RegisterRequest, ReportRequest, ResultReport, WorkRequest
-from coordinator.work.records import Policy
+from coordinator.work.records import (
+    Gemm,
+    GemmState,
+    Policy,
+    Redundancy,
+    Result,
+    ServerState,
+    tile_workunit,
+)
 from tests.factories import bits, operands
 from tests.volunteers import wait_until
 
@@ -258,6 +267,38 @@ async def test_replicas_sent_before_a_restart_time_out_after_it(tmp_path, rng):
     (gemm,) = store.tables["gemms"].values()
     _, results = await store.gemm_work(gemm["id"])
     assert {r.outcome.value for r in results if r.id in sent} == {"no_reply"}
+
+
+async def test_a_replica_reported_before_its_row_is_written_is_late_not_unknown(tmp_path):
+    """A spare sent just before its product finished can come back before the commit that
+    writes it lands, its product already out of memory: it is a late report (200), not an
+    unknown result (404, which a volunteer counts as an error)."""
+    co = Coordinator(CoordinatorConfig(directory=tmp_path, tile=4, seed=1), MemoryStore())
+    await co.start()
+    try:
+        host, _ = await co.hosts.register(RegisterRequest("spare", 10.0, 1, 512), time.time())
+        await co.ledger.flush()
+        now = time.time()
+        gemm = Gemm("g" * 64, 1, "l0", 4, 4, 4, False, False, 4, "a" * 64, "b" * 64, Policy.QUORUM)
+        wu = tile_workunit(gemm, (0, 4, 0, 4), "a" * 64, "b" * 64, Redundancy(), 1)
+        spare = Result(
+            new_result_id(),
+            wu.id,
+            host_id=host.id,
+            server_state=ServerState.IN_PROGRESS,
+            sent_time=now,
+            report_deadline=now + 60,
+        )
+        co.ledger.put_gemm(gemm)
+        co.ledger.put_wu(wu)
+        co.ledger.put_result(spare)  # queued: the reply that sent it has just left
+        co.ledger.put_gemm(gemm.evolve(state=GemmState.DONE))
+        co.ledger.forget_gemm(gemm.id)  # the product finished meanwhile
+        report = ReportRequest((ResultReport(spare.id, "c" * 64, None, None, 0.01),))
+        summary = await co.reports.report(host, report, time.time())
+        assert summary["late"] == [spare.id]
+    finally:
+        await co.stop()
 
 
 def lose_every_blob(config: CoordinatorConfig) -> None:
