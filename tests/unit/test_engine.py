@@ -194,6 +194,23 @@ async def published_then_stopped(
     pending.cancel()
 
 
+async def computed_by_two_hosts(
+    config: CoordinatorConfig, store: MemoryStore, a: np.ndarray, b: np.ndarray
+) -> np.ndarray:
+    """A @ B by a coordinator started over `store` (restarted, as after a stop) and two
+    honest hosts."""
+    again = Coordinator(config, store)
+    await again.start()
+    stop = asyncio.Event()
+    hosts = [asyncio.create_task(honest_host(again, f"h{i}", stop)) for i in range(2)]
+    try:
+        return await asyncio.wait_for(again.products.matmul(a, b), 30)
+    finally:
+        stop.set()
+        await asyncio.gather(*hosts)
+        await again.stop()
+
+
 async def test_replicas_not_yet_sent_are_not_written_and_are_issued_again_after_a_restart(
     tmp_path, rng
 ):
@@ -209,16 +226,7 @@ async def test_replicas_not_yet_sent_are_not_written_and_are_issued_again_after_
     (gemm,) = store.tables["gemms"].values()
     workunits, results = await store.gemm_work(gemm["id"])
     assert len(workunits) == 2 and results == []
-    again = Coordinator(config, store)
-    await again.start()
-    stop = asyncio.Event()
-    hosts = [asyncio.create_task(honest_host(again, f"h{i}", stop)) for i in range(2)]
-    try:
-        product = await asyncio.wait_for(again.products.matmul(a, b), 30)
-    finally:
-        stop.set()
-        await asyncio.gather(*hosts)
-        await again.stop()
+    product = await computed_by_two_hosts(config, store, a, b)
     np.testing.assert_array_equal(bits(product), bits(kernels.gemm(a, b)))
     _, results = await store.gemm_work(gemm["id"])
     assert len(results) == 4 and all(r.server_state.value == "over" for r in results)
@@ -253,16 +261,7 @@ async def test_replicas_sent_before_a_restart_time_out_after_it(tmp_path, rng):
     assert len(sent) == 4  # every replica: no report will touch these work units
     await co.stop()
     pending.cancel()
-    again = Coordinator(config, store)
-    await again.start()
-    stop = asyncio.Event()
-    hosts = [asyncio.create_task(honest_host(again, f"h{i}", stop)) for i in range(2)]
-    try:
-        product = await asyncio.wait_for(again.products.matmul(a, b), 30)
-    finally:
-        stop.set()
-        await asyncio.gather(*hosts)
-        await again.stop()
+    product = await computed_by_two_hosts(config, store, a, b)
     np.testing.assert_array_equal(bits(product), bits(kernels.gemm(a, b)))
     (gemm,) = store.tables["gemms"].values()
     _, results = await store.gemm_work(gemm["id"])
