@@ -209,6 +209,8 @@ def append_rows(db: sqlite3.Connection, sql: str, rows: list[tuple]) -> None:
     """Run a write of one row of a record's values (queries.WRITES) for every row, many rows
     a statement. The last rows go in statements of a power of two rows each, so that a
     write has at most nine shapes, all kept prepared in the connection's statement cache."""
+    if not rows:
+        return
     width = len(rows[0])
     most = max(1, min(ROWS_AT_ONCE, db.getlimit(sqlite3.SQLITE_LIMIT_VARIABLE_NUMBER) // width))
     start = 0
