@@ -63,7 +63,7 @@ LIGHT_WRITES = frozenset(
 LIGHT_ROWS = 256
 # Writes that only append rows (events: eight a work unit) bind up to ROWS_AT_ONCE rows a
 # statement (queries.many_rows), as far as SQLite's limit on a statement's parameters
-# allows, rather than run the statement once a row: that run was most of an event's cost
+# allows, rather than run the statement once a row: 1.0 us an event against 2.0
 # (docs/performance.md, the twenty-first round). Upserts gained nothing measurable.
 APPENDS = frozenset({"insert_event"})
 ROWS_AT_ONCE = 256

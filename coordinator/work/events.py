@@ -9,9 +9,9 @@ class Event(NamedTuple):
     """One line of the task and validation logs.
 
     A named tuple rather than a frozen dataclass like the other records: a work unit makes
-    eight of them, and as a tuple an event is built in a third of the time and is already
-    the row its insert binds (`queries.values`): about 3% of the coordinator's CPU a work
-    unit (docs/performance.md, the twenty-first round)."""
+    eight of them, and as a tuple an event is built in 0.42 us instead of 1.07 and is
+    already the row its insert binds (`queries.values`; docs/performance.md, the
+    twenty-first round)."""
 
     time: float
     kind: str  # "gemm", "wu", "result", "validation", "host"
