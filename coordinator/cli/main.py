@@ -18,7 +18,7 @@ from coordinator.training.corpus import CorpusError
 from coordinator.training.project import MODELS, ProjectError
 from coordinator.training.project import create as create_project
 from coordinator.training.project import load as load_project
-from coordinator.work.records import ValidateState, WuState
+from coordinator.work.records import ValidateState, WuState, short_workunit_id
 from kernels import reference
 from kernels.malloc import keep_freed_memory
 from volunteer.cli import emulate, log_format_option, option, volunteer
@@ -388,7 +388,7 @@ def _cut(shown: int, total: int, what: str) -> None:
 
 def _event_line(e: dict) -> str:
     where = f"step {e['step']} " if e.get("step") is not None else ""
-    wu = f"wu {e['wu_id'][:12]} " if e.get("wu_id") else ""
+    wu = f"wu {short_workunit_id(e['wu_id'])} " if e.get("wu_id") else ""
     host = f"host {e['host'] or e['host_id']} " if e.get("host_id") is not None else ""
     return f"{_clock(e['time'])} {where}{wu}{e['kind']} {e['state']} {host}| {e['message']}"
 
@@ -468,7 +468,7 @@ def logs_tasks(
         for r in rows:
             i0, i1, j0, j1 = r["tile"]
             click.echo(
-                f"{r['wu'][:12]}  {r['step']:>4}  {r['gemm'][:18]:18} "
+                f"{short_workunit_id(r['wu'])}  {r['step']:>4}  {r['gemm'][:18]:18} "
                 f"{f'[{i0}:{i1},{j0}:{j1}]':19} {r['state']:11} "
                 f"{r['valid']:>2}/{r['replicas']:<2}  {','.join(r['hosts'])[:24]:24} "
                 f"{_clock(r['created'])}  {_clock(r['finished'])}"
@@ -524,7 +524,7 @@ def logs_validation(directory, step, host, since, follow, failures, as_json, sta
         trust = f"{e['trust_before']}->{e['trust_after']}" if "trust_before" in e else "-"
         click.echo(
             f"{_clock(e['time'])}  {e['step'] if e['step'] is not None else '-':>4}  "
-            f"{(e['wu_id'] or '')[:12]:12}  {str(e['host'] or '-')[:12]:12} "
+            f"{short_workunit_id(e['wu_id'] or ''):12}  {str(e['host'] or '-')[:12]:12} "
             f"{e.get('method', '-'):9} {e['state']:12} {trust:7} {e['message']}"
         )
 

@@ -34,6 +34,7 @@ from coordinator.work.records import (
     ValidateState,
     WorkUnit,
     WuState,
+    short_workunit_id,
 )
 from validation import freivalds
 
@@ -160,7 +161,7 @@ class Passes:
             log.warning(
                 "step %d: work unit %s [%d:%d, %d:%d]: %s; the coordinator computes it",
                 wu.step,
-                wu.id[:12],
+                short_workunit_id(wu.id),
                 wu.i0,
                 wu.i1,
                 wu.j0,

@@ -17,7 +17,7 @@ import kernels
 from coordinator.state.blobs import BlobNotFound, BlobStore
 from coordinator.state.ledger import Ledger
 from coordinator.state.store import Store
-from coordinator.work.records import Gemm, GemmState, WorkUnit
+from coordinator.work.records import Gemm, GemmState, WorkUnit, short_workunit_id
 
 log = logging.getLogger(__name__)
 
@@ -61,7 +61,9 @@ def canonical_tile(blobs: BlobStore, wu: WorkUnit) -> np.ndarray:
         return blobs.get_array(wu.canonical_hash)
     except (BlobNotFound, ValueError):
         _recovered(
-            "tile %s of work unit %s is gone; recomputing it", wu.canonical_hash[:12], wu.id[:12]
+            "tile %s of work unit %s is gone; recomputing it",
+            wu.canonical_hash[:12],
+            short_workunit_id(wu.id),
         )
         tile = kernels.gemm(
             blobs.get_array(wu.a_panel),

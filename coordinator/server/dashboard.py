@@ -23,6 +23,7 @@ from coordinator.work.records import (
     ServerState,
     WorkUnit,
     WuState,
+    short_workunit_id,
 )
 
 if TYPE_CHECKING:
@@ -312,7 +313,7 @@ async def render(co: Coordinator, fragment: bool = False) -> str:
     rejected = (
         "".join(
             f"<tr><td class='l'>{time.strftime('%H:%M:%S', time.localtime(ev.time))}</td>"
-            f"<td>{ev.step}</td><td class='l'>{e((ev.wu_id or '')[:12])}</td>"
+            f"<td>{ev.step}</td><td class='l'>{e(short_workunit_id(ev.wu_id or ''))}</td>"
             f"<td class='l'>{e(_name(co, ev.host_id))}</td>"
             f"<td class='l'>{e(ev.message)}</td></tr>"
             for ev in failures

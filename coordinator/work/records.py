@@ -293,8 +293,15 @@ def workunit_id(
     trans_b: bool,
     kernel_version: int,
 ) -> str:
-    """The content id of a tile's work: its description, never when or where it ran."""
-    return canonical_id(
+    """The content id of a tile's work: its description, never when or where it ran.
+
+    64 hex digits, led by the step (8) and the GEMM's id (16), then 40 of the hash of the
+    whole description. The store indexes work units and their results by this id, and a
+    commit writes every index page it touches whole to the WAL and again at the checkpoint:
+    with bare hashes each new work unit landed on a page of its own, so a commit touched
+    about one page a work unit in each of two indexes. Led by the step, a step's work units
+    are neighbours at the index's end (docs/performance.md, the twenty-second round)."""
+    digest = canonical_id(
         "wu",
         {
             "gemm": gemm,
@@ -308,6 +315,13 @@ def workunit_id(
             "kernel_version": kernel_version,
         },
     )
+    return f"{step & 0xFFFFFFFF:08x}{gemm[:16]}{digest[:40]}"
+
+
+def short_workunit_id(wu_id: str) -> str:
+    """The 12 digits that tell a work unit from its GEMM's others in logs and tables: its
+    id's last (the first are its step and GEMM, shared by all of them)."""
+    return wu_id[-12:]
 
 
 def tile_bounds(m: int, n: int, tile: int) -> list[tuple[int, int, int, int]]:
