@@ -204,6 +204,7 @@ def coordinator_rows(quick: bool) -> list[Row]:
             )
         )
         per_cpu = result.get("wu_per_cpu_s", 0.0)
+        written = result.get("bytes_written_per_wu")
         rows.append(
             Row(
                 "coordinator",
@@ -211,6 +212,7 @@ def coordinator_rows(quick: bool) -> list[Row]:
                 f"{per_cpu:.0f} WU/s",
                 ">= 5,000 WU/s (moonshot 20,000)",
                 verdict(per_cpu >= 5000),
+                note=f"{written / 1000:.1f} KB written a work unit" if written else "",
             )
         )
         for hosts in [100] if quick else [100, 1000, 10000]:
