@@ -161,6 +161,9 @@ class BlobStore:
         self._unwritten_size = 0
         self._writing: str | None = None
         self._deleted: set[str] = set()  # deleted while the writer was writing them
+        # Files the disk would not delete (read-only, immutable): tried again once it does.
+        self._undeleted: set[str] = set()
+        self._undeleted_lock = threading.Lock()
         self._cond = threading.Condition()
         # Holders of each blob (put with `hold`): it leaves memory when the last lets go.
         self._holds: Counter[str] = Counter()
@@ -342,7 +345,7 @@ class BlobStore:
                     self._unwritten_size -= len(data)
                 if blob in self._deleted:
                     self._deleted.discard(blob)
-                    self.path(blob).unlink(missing_ok=True)
+                    self._unlink(blob)
                 self._cond.notify_all()
 
     def drain(self, timeout: float | None = None) -> bool:
@@ -475,7 +478,37 @@ class BlobStore:
                 log.info("blob store %s: nothing waits to be written any more", self.root)
             self._cond.notify_all()
         if data is None:
-            self.path(blob).unlink(missing_ok=True)
+            self._unlink(blob)
+
+    def _unlink(self, blob: str, *, again: bool = False) -> None:
+        """Delete a blob's file. A disk that refuses (remounted read-only, an immutable
+        folder) keeps it for now: deleting is housekeeping, never a reason to stop training,
+        and a whole, checked blob left behind costs only its space. The files refused are
+        deleted at the first delete the disk allows again."""
+        try:
+            os.unlink(self.path(blob))
+        except FileNotFoundError:
+            pass
+        except OSError as exc:
+            with self._undeleted_lock:
+                if not self._undeleted and not again:
+                    log.warning(
+                        "blob store %s cannot delete blobs (%s); they stay on disk until it can",
+                        self.root,
+                        exc,
+                    )
+                self._undeleted.add(blob)
+            return
+        if self._undeleted and not again:
+            with self._undeleted_lock:
+                left, self._undeleted = self._undeleted, set()
+            for old in left:
+                self._unlink(old, again=True)
+            with self._undeleted_lock:
+                if not self._undeleted:
+                    log.info(
+                        "blob store %s deletes again: %d blob(s) left removed", self.root, len(left)
+                    )
 
     def put_array(self, array: np.ndarray, *, keep: bool = False) -> str:
         return self.put(encode_array(array), keep=keep)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import errno
+import logging
 import os
 import time
 from pathlib import Path
@@ -150,6 +151,35 @@ def test_a_disk_fault_stops_blocking_once_what_it_refused_is_deleted(tmp_path, m
     assert store.failure is None
     (taken,) = store.put_many([(blobs[1], None)], behind=True)
     assert store.get(taken) == blobs[1]
+    store.close(timeout=0)
+
+
+def test_a_disk_that_will_not_delete_leaves_blobs_behind_and_stops_nothing(
+    tmp_path, monkeypatch, caplog
+):
+    """A disk that refuses to delete (remounted read-only, a folder made immutable) fails no
+    caller: the blob a finished product lets go of stays on disk, where the chaos test saw
+    the refusal stop training. The operator hears it once; the files refused go at the
+    first delete the disk allows again."""
+    store = BlobStore(tmp_path, max_blob_bytes=1 << 20)
+    ids = store.put_many([(data, None) for data in tiles(3, seed=5)], hold=True)
+    refusing = True
+    real_unlink = os.unlink
+
+    def unlink(path, *args, **kwargs):
+        if refusing and str(path).startswith(str(tmp_path)):
+            raise PermissionError(errno.EPERM, "Operation not permitted", str(path))
+        return real_unlink(path, *args, **kwargs)
+
+    monkeypatch.setattr(os, "unlink", unlink)
+    with caplog.at_level(logging.WARNING, logger="coordinator.state.blobs"):
+        store.release(ids[:1])  # a finished product lets go of its panel
+        store.delete(ids[1])  # a checkpoint deletes the blobs before it
+    assert all(store.path(blob).exists() for blob in ids)
+    assert len([r for r in caplog.records if "cannot delete" in r.getMessage()]) == 1
+    refusing = False
+    store.delete(ids[2])
+    assert not any(store.path(blob).exists() for blob in ids)
     store.close(timeout=0)
 
 
