@@ -254,6 +254,9 @@ class BlobStore:
             elif not verified:
                 verify_blob(data, expected)
             ids.append(expected)
+        if self._undeleted:  # stored again: a file the disk would not delete is live again
+            with self._undeleted_lock:
+                self._undeleted.difference_update(ids)
         if hold:
             # Before they are stored: a release by another holder meanwhile cannot take them.
             self.hold(ids)
@@ -480,18 +483,18 @@ class BlobStore:
         if data is None:
             self._unlink(blob)
 
-    def _unlink(self, blob: str, *, again: bool = False) -> None:
+    def _unlink(self, blob: str) -> None:
         """Delete a blob's file. A disk that refuses (remounted read-only, an immutable
         folder) keeps it for now: deleting is housekeeping, never a reason to stop training,
         and a whole, checked blob left behind costs only its space. The files refused are
-        deleted at the first delete the disk allows again."""
+        deleted at the first delete the disk allows again, unless stored again meanwhile."""
         try:
             os.unlink(self.path(blob))
         except FileNotFoundError:
             pass
         except OSError as exc:
             with self._undeleted_lock:
-                if not self._undeleted and not again:
+                if not self._undeleted:
                     log.warning(
                         "blob store %s cannot delete blobs (%s); they stay on disk until it can",
                         self.root,
@@ -499,16 +502,22 @@ class BlobStore:
                     )
                 self._undeleted.add(blob)
             return
-        if self._undeleted and not again:
-            with self._undeleted_lock:
-                left, self._undeleted = self._undeleted, set()
+        if not self._undeleted:
+            return
+        # Under the lock throughout: a put of one of them waits, then finds it gone.
+        with self._undeleted_lock:
+            left, self._undeleted = self._undeleted, set()
             for old in left:
-                self._unlink(old, again=True)
-            with self._undeleted_lock:
-                if not self._undeleted:
-                    log.info(
-                        "blob store %s deletes again: %d blob(s) left removed", self.root, len(left)
-                    )
+                try:
+                    os.unlink(self._path_of(old))
+                except FileNotFoundError:
+                    pass
+                except OSError:
+                    self._undeleted.add(old)
+            if not self._undeleted:
+                log.info(
+                    "blob store %s deletes again: %d blob(s) left removed", self.root, len(left)
+                )
 
     def put_array(self, array: np.ndarray, *, keep: bool = False) -> str:
         return self.put(encode_array(array), keep=keep)

@@ -160,9 +160,10 @@ def test_a_disk_that_will_not_delete_leaves_blobs_behind_and_stops_nothing(
     """A disk that refuses to delete (remounted read-only, a folder made immutable) fails no
     caller: the blob a finished product lets go of stays on disk, where the chaos test saw
     the refusal stop training. The operator hears it once; the files refused go at the
-    first delete the disk allows again."""
+    first delete the disk allows again, but not one stored again meanwhile."""
     store = BlobStore(tmp_path, max_blob_bytes=1 << 20)
-    ids = store.put_many([(data, None) for data in tiles(3, seed=5)], hold=True)
+    data = tiles(4, seed=5)
+    ids = store.put_many([(d, None) for d in data[:3]], hold=True)
     refusing = True
     real_unlink = os.unlink
 
@@ -172,14 +173,18 @@ def test_a_disk_that_will_not_delete_leaves_blobs_behind_and_stops_nothing(
         return real_unlink(path, *args, **kwargs)
 
     monkeypatch.setattr(os, "unlink", unlink)
+    stored_again = store.put(data[3])
     with caplog.at_level(logging.WARNING, logger="coordinator.state.blobs"):
         store.release(ids[:1])  # a finished product lets go of its panel
         store.delete(ids[1])  # a checkpoint deletes the blobs before it
-    assert all(store.path(blob).exists() for blob in ids)
+        store.delete(stored_again)
+    assert all(store.path(blob).exists() for blob in [*ids, stored_again])
     assert len([r for r in caplog.records if "cannot delete" in r.getMessage()]) == 1
+    assert store.put(data[3]) == stored_again  # a new product's panel, the same bytes
     refusing = False
     store.delete(ids[2])
     assert not any(store.path(blob).exists() for blob in ids)
+    assert store.get(stored_again) == data[3]
     store.close(timeout=0)
 
 
