@@ -9,6 +9,7 @@ import mmap
 import os
 import tempfile
 import threading
+import time
 from collections import Counter, OrderedDict
 from collections.abc import Iterable
 from pathlib import Path
@@ -20,6 +21,10 @@ from kernels import blob_id, decode_array, encode_array, is_blob_id, verify_blob
 log = logging.getLogger(__name__)
 
 WRITE_RETRY = 1.0  # seconds between attempts of a writer that met a disk error
+# Seconds between attempts at the files a disk would not delete: at most one pass over them
+# so often, whatever the number of deletes meanwhile (a disk that refuses some folders only
+# would otherwise cost every delete a failing call for each file it keeps).
+DELETE_RETRY = 5.0
 # How far the writer may fall behind (beyond the blobs held in memory) before whoever
 # stores a blob waits for it: a disk slower than the network.
 WRITE_BACKLOG = 256 << 20
@@ -164,6 +169,7 @@ class BlobStore:
         # Files the disk would not delete (read-only, immutable): tried again once it does.
         self._undeleted: set[str] = set()
         self._undeleted_lock = threading.Lock()
+        self._undeleted_tried = 0.0  # monotonic time of the last pass over them
         self._cond = threading.Condition()
         # Holders of each blob (put with `hold`): it leaves memory when the last lets go.
         self._holds: Counter[str] = Counter()
@@ -254,9 +260,7 @@ class BlobStore:
             elif not verified:
                 verify_blob(data, expected)
             ids.append(expected)
-        if self._undeleted:  # stored again: a file the disk would not delete is live again
-            with self._undeleted_lock:
-                self._undeleted.difference_update(ids)
+        self._keep_on_disk(ids)
         if hold:
             # Before they are stored: a release by another holder meanwhile cannot take them.
             self.hold(ids)
@@ -437,6 +441,8 @@ class BlobStore:
         stores so): a reader of blobs another holder may let go of (a product made before a
         restart shares a panel with a new one) holds them before it looks, and releases
         them when done."""
+        blobs = list(blobs)
+        self._keep_on_disk(blobs)
         with self._cond:
             for blob in blobs:
                 self._holds[blob] += 1
@@ -487,7 +493,8 @@ class BlobStore:
         """Delete a blob's file. A disk that refuses (remounted read-only, an immutable
         folder) keeps it for now: deleting is housekeeping, never a reason to stop training,
         and a whole, checked blob left behind costs only its space. The files refused are
-        deleted at the first delete the disk allows again, unless stored again meanwhile."""
+        deleted once the disk deletes again (at most a pass over them every DELETE_RETRY
+        seconds), unless stored or held again meanwhile."""
         try:
             os.unlink(self.path(blob))
         except FileNotFoundError:
@@ -500,24 +507,34 @@ class BlobStore:
                         self.root,
                         exc,
                     )
+                    self._undeleted_tried = time.monotonic()
                 self._undeleted.add(blob)
             return
-        if not self._undeleted:
-            return
-        # Under the lock throughout: a put of one of them waits, then finds it gone.
+        if self._undeleted and time.monotonic() - self._undeleted_tried >= DELETE_RETRY:
+            self._delete_refused()
+
+    def _delete_refused(self) -> None:
+        # The set stays as it is until each file is gone: a put or hold of one of them meanwhile
+        # sees it, waits for the lock, and then finds the file gone and stores it again.
         with self._undeleted_lock:
-            left, self._undeleted = self._undeleted, set()
-            for old in left:
+            self._undeleted_tried = time.monotonic()
+            for blob in list(self._undeleted):
                 try:
-                    os.unlink(self._path_of(old))
+                    os.unlink(self._path_of(blob))
                 except FileNotFoundError:
                     pass
                 except OSError:
-                    self._undeleted.add(old)
+                    continue
+                self._undeleted.discard(blob)
             if not self._undeleted:
-                log.info(
-                    "blob store %s deletes again: %d blob(s) left removed", self.root, len(left)
-                )
+                log.info("blob store %s deletes again: the blobs it kept are removed", self.root)
+
+    def _keep_on_disk(self, blobs: list[str]) -> None:
+        """Blobs stored or held again are live: a file the disk would not delete before
+        must not go with the others once it does."""
+        if self._undeleted:
+            with self._undeleted_lock:
+                self._undeleted.difference_update(blobs)
 
     def put_array(self, array: np.ndarray, *, keep: bool = False) -> str:
         return self.put(encode_array(array), keep=keep)

@@ -161,8 +161,9 @@ def test_a_disk_that_will_not_delete_leaves_blobs_behind_and_stops_nothing(
     caller: the blob a finished product lets go of stays on disk, where the chaos test saw
     the refusal stop training. The operator hears it once; the files refused go at the
     first delete the disk allows again, but not one stored again meanwhile."""
+    monkeypatch.setattr(blobs_module, "DELETE_RETRY", 0.0)  # the first delete that works
     store = BlobStore(tmp_path, max_blob_bytes=1 << 20)
-    data = tiles(4, seed=5)
+    data = tiles(5, seed=5)
     ids = store.put_many([(d, None) for d in data[:3]], hold=True)
     refusing = True
     real_unlink = os.unlink
@@ -173,18 +174,21 @@ def test_a_disk_that_will_not_delete_leaves_blobs_behind_and_stops_nothing(
         return real_unlink(path, *args, **kwargs)
 
     monkeypatch.setattr(os, "unlink", unlink)
-    stored_again = store.put(data[3])
+    stored_again, held_again = store.put(data[3]), store.put(data[4])
     with caplog.at_level(logging.WARNING, logger="coordinator.state.blobs"):
         store.release(ids[:1])  # a finished product lets go of its panel
         store.delete(ids[1])  # a checkpoint deletes the blobs before it
         store.delete(stored_again)
-    assert all(store.path(blob).exists() for blob in [*ids, stored_again])
+        store.delete(held_again)
+    assert all(store.path(blob).exists() for blob in [*ids, stored_again, held_again])
     assert len([r for r in caplog.records if "cannot delete" in r.getMessage()]) == 1
     assert store.put(data[3]) == stored_again  # a new product's panel, the same bytes
+    store.hold([held_again])  # a product made before, asked for again, reads its blobs
     refusing = False
     store.delete(ids[2])
     assert not any(store.path(blob).exists() for blob in ids)
     assert store.get(stored_again) == data[3]
+    assert store.get(held_again) == data[4]
     store.close(timeout=0)
 
 
