@@ -93,6 +93,17 @@ class BlobNotFound(KeyError):
     """No blob with this id is stored."""
 
 
+def _remove(path: str) -> OSError | None:
+    """Unlink a file (gone already is fine); the error if the disk refused."""
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass
+    except OSError as exc:
+        return exc
+    return None
+
+
 class RecentBlobs:
     """The blobs written last, up to `capacity` bytes, kept in memory: every volunteer
     fetches the operand panels of the current product (a file response costs a stat, a
@@ -260,10 +271,11 @@ class BlobStore:
             elif not verified:
                 verify_blob(data, expected)
             ids.append(expected)
-        self._keep_on_disk(ids)
         if hold:
             # Before they are stored: a release by another holder meanwhile cannot take them.
             self.hold(ids)
+        else:
+            self._keep_on_disk(ids)
         try:
             if behind:
                 self._behind(list(zip(ids, (data for data, _ in blobs), strict=True)))
@@ -495,11 +507,8 @@ class BlobStore:
         and a whole, checked blob left behind costs only its space. The files refused are
         deleted once the disk deletes again (at most a pass over them every DELETE_RETRY
         seconds), unless stored or held again meanwhile."""
-        try:
-            os.unlink(self.path(blob))
-        except FileNotFoundError:
-            pass
-        except OSError as exc:
+        exc = _remove(str(self.path(blob)))
+        if exc is not None:
             with self._undeleted_lock:
                 if not self._undeleted:
                     log.warning(
@@ -519,13 +528,8 @@ class BlobStore:
         with self._undeleted_lock:
             self._undeleted_tried = time.monotonic()
             for blob in list(self._undeleted):
-                try:
-                    os.unlink(self._path_of(blob))
-                except FileNotFoundError:
-                    pass
-                except OSError:
-                    continue
-                self._undeleted.discard(blob)
+                if _remove(self._path_of(blob)) is None:
+                    self._undeleted.discard(blob)
             if not self._undeleted:
                 log.info("blob store %s deletes again: the blobs it kept are removed", self.root)
 
