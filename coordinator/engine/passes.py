@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import logging
 import time
 
@@ -342,7 +341,9 @@ def validation_method(wu: WorkUnit) -> str:
 
 
 def _with_data(event: Event, method: str, compared: int, cv: tuple[int, int] | None) -> Event:
-    fields: dict = {"method": method, "compared": compared}
+    # What json.dumps would write for these fields, written out: two a work unit, and dumps
+    # took a few percent of the loop in the throughput benchmark. `method` is a Policy value.
+    data = f'{{"method": "{method}", "compared": {compared:d}'
     if cv is not None:
-        fields["trust_before"], fields["trust_after"] = cv
-    return event.evolve(data=json.dumps(fields))
+        data += f', "trust_before": {cv[0]:d}, "trust_after": {cv[1]:d}'
+    return Event(*event[:-1], data + "}")

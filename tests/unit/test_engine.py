@@ -10,6 +10,7 @@ import contextlib
 import dataclasses
 import gzip
 import json
+import re
 import time
 
 import msgpack
@@ -84,6 +85,13 @@ async def engine(tmp_path):
     await co.stop()
 
 
+def test_result_ids_are_distinct_hex_and_lead_with_the_time():
+    ids = [new_result_id() for _ in range(2000)]  # random digits drawn 256 ids at a time
+    assert len(set(ids)) == len(ids)
+    assert all(re.fullmatch(r"[0-9a-f]{32}", i) for i in ids)
+    assert [i[:11] for i in ids] == sorted(i[:11] for i in ids)
+
+
 @pytest.mark.parametrize("trans_a, trans_b", [(False, False), (False, True), (True, False)])
 async def test_a_product_computed_by_two_hosts_has_the_kernels_bits(engine, rng, trans_a, trans_b):
     a, b = operands(rng, 40, 24, 33, trans_a, trans_b)
@@ -102,6 +110,17 @@ async def test_a_product_computed_by_two_hosts_has_the_kernels_bits(engine, rng,
     assert await engine.store.workunit_counts() == {"assimilated": 6}
     # Status counts the whole project from memory, as the store does.
     assert engine.progress.full_status()["workunits"] == {"assimilated": 6}
+    # Each verdict says how it was reached and what it did to its host's trust, in the
+    # fields `tilehive logs validation` shows: each host's run of valid results grows by one.
+    verdicts = await engine.store.events(kind="validation")
+    assert len(verdicts) == 12
+    runs: dict[int, list[tuple[int, int]]] = {}
+    for event in verdicts:
+        data = json.loads(event.data)
+        assert data.keys() == {"method", "compared", "trust_before", "trust_after"}
+        assert (data["method"], data["compared"], event.state) == ("quorum", 2, "valid")
+        runs.setdefault(event.host_id, []).append((data["trust_before"], data["trust_after"]))
+    assert sorted(runs.values()) == [[(i, i + 1) for i in range(6)]] * 2
 
 
 async def test_stored_work_replies_are_pruned_by_age_and_count(engine, rng):
