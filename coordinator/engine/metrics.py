@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import collections
 from collections.abc import Callable
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 
@@ -29,22 +30,36 @@ class _StateGauges(Collector):
             yield family
 
 
+class _Tallies(Collector):
+    """Counters that the event loop adds to as plain integers, exposed as Prometheus counters
+    at scrape time: each result costs a report and a verdict, and prometheus_client's
+    counters take a lock and check their state on every increment."""
+
+    def __init__(self, name: str, help_text: str, labels: tuple[str, ...]) -> None:
+        self.name, self.help_text, self.labels = name, help_text, labels
+        self.counts: collections.Counter[tuple[str, ...]] = collections.Counter()
+
+    def collect(self):
+        family = CounterMetricFamily(self.name, self.help_text, labels=self.labels)
+        for labels, count in sorted(self.counts.items()):
+            family.add_metric(labels, count)
+        yield family
+
+
 class Metrics:
     def __init__(self, snapshot: Callable[[], dict]) -> None:
         self.registry = CollectorRegistry()
         r = self.registry
-        self.results = Counter(
-            "tilehive_results_reported",
-            "Results reported by hosts, by outcome",
-            ["outcome"],
-            registry=r,
+        self.results = _Tallies(
+            "tilehive_results_reported", "Results reported by hosts, by outcome", ("outcome",)
         )
-        self.validations = Counter(
+        self.validations = _Tallies(
             "tilehive_validations",
             "Validation verdicts by method and outcome",
-            ["method", "outcome"],
-            registry=r,
+            ("method", "outcome"),
         )
+        r.register(self.results)
+        r.register(self.validations)
         self.bytes = Counter(
             "tilehive_bytes", "Bytes received from and sent to hosts", ["direction"], registry=r
         )
@@ -75,8 +90,11 @@ class Metrics:
             child = self._children[key] = metric.labels(*labels)
         return child
 
+    def result(self, outcome: str) -> None:
+        self.results.counts[(outcome,)] += 1
+
     def validation(self, method: str, outcome: str) -> None:
-        self.labelled(self.validations, method, outcome).inc()
+        self.validations.counts[(method, outcome)] += 1
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

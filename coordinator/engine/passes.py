@@ -25,7 +25,6 @@ from coordinator.state.blobs import BlobStore
 from coordinator.state.ledger import Ledger
 from coordinator.work.events import Event
 from coordinator.work.records import (
-    WU_DECIDED,
     Outcome,
     Policy,
     Result,
@@ -309,12 +308,12 @@ class Passes:
         for output in list(self.products.outputs.values()):
             if output.gemm is None:
                 continue
-            wus = self.ledger.workunits_for(output.gemm.id)
-            if not wus:
+            gemm_id = output.gemm.id
+            total = len(self.ledger.wus_of.get(gemm_id, ()))
+            done = self.ledger.decided_of_gemm[gemm_id]
+            if not total or done == total or done < self.config.tail_fraction * total:
                 continue
-            done = sum(1 for wu in wus if wu.state in WU_DECIDED)
-            if done == len(wus) or done < self.config.tail_fraction * len(wus):
-                continue
+            wus = self.ledger.workunits_for(gemm_id)
             for wu in wus:
                 if wu.state is not WuState.ACTIVE or wu.accelerated:
                     continue

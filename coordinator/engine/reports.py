@@ -247,7 +247,7 @@ class Reports:
             message = f"{what} {output_hash[:16]} in {entry.seconds:.2f}s"
             state, message = "success", ("late " if late else "") + message
             self.arrived(wu.id)
-        self.metrics.labelled(self.metrics.results, state).inc()
+        self.metrics.result(state)
         self.ledger.log([Event.about(wu, now, state, message, result)])
         self.ledger.touched.add(wu.id)
         return "late" if late else "accepted"
