@@ -183,6 +183,7 @@ def emulator_on_last_core():
         os.sched_setaffinity(0, before)
 
 
+THROUGHPUT_WINDOWS = 3  # windows of the throughput row; its figures are the median one's
 TINY = ["--tile", "4", "--k", "8", "--tiles", "40"]  # 1,600 work units of 256 flops
 TRAINING_LIKE = ["--tile", "128", "--k", "512", "--tiles", "8"]  # 64 of 16.8 MFLOP
 
@@ -191,7 +192,15 @@ def coordinator_rows(quick: bool) -> list[Row]:
     rows = []
     window = 5.0 if quick else 20.0
     with emulator_on_last_core() as core:
-        result, report = asyncio.run(_coordinator_at(core, 100, window, "loopback", TINY, True))
+        # The median of three windows: on a shared machine one window's figure moves by 5-8%
+        # from run to run, and the bar is a figure, not a ratio of two runs side by side.
+        runs = [
+            asyncio.run(_coordinator_at(core, 100, window, "loopback", TINY, True))[0]
+            for _ in range(1 if quick else THROUGHPUT_WINDOWS)
+        ]
+        runs.sort(key=lambda r: r.get("wu_per_cpu_s", 0.0))
+        result = runs[len(runs) // 2]
+        each = ", ".join(f"{r.get('wu_per_cpu_s', 0.0):.0f}" for r in runs)
         cpu = result.get("cpu_seconds", 0.0) / max(result.get("seconds", 1.0), 1e-9)
         rows.append(
             Row(
@@ -205,6 +214,9 @@ def coordinator_rows(quick: bool) -> list[Row]:
         )
         per_cpu = result.get("wu_per_cpu_s", 0.0)
         written = result.get("bytes_written_per_wu")
+        notes = [f"median of {len(runs)} windows run in turn: {each}"] if len(runs) > 1 else []
+        if written:
+            notes.append(f"{written / 1000:.1f} KB written a work unit")
         rows.append(
             Row(
                 "coordinator",
@@ -212,7 +224,7 @@ def coordinator_rows(quick: bool) -> list[Row]:
                 f"{per_cpu:.0f} WU/s",
                 ">= 5,000 WU/s (moonshot 20,000)",
                 verdict(per_cpu >= 5000),
-                note=f"{written / 1000:.1f} KB written a work unit" if written else "",
+                note="; ".join(notes),
             )
         )
         for hosts in [100] if quick else [100, 1000, 10000]:
