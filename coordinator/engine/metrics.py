@@ -83,7 +83,7 @@ class Metrics:
 
     def labelled(self, metric: Counter | Histogram, *labels: str) -> Any:
         """`metric.labels(*labels)`, remembered: prometheus_client checks and locks on every
-        labels() call, and a result meets several (each request, report and verdict)."""
+        labels() call, and every request meets two (its time and its bytes)."""
         key = (id(metric), labels)
         child = self._children.get(key)
         if child is None:

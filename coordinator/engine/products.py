@@ -65,19 +65,11 @@ class GemmOutput:
     done: asyncio.Future
 
 
-_random_hex: list[str] = []
-
-
 def new_result_id() -> str:
     """32 hex digits: the time in steps of about a millisecond (11 digits), then 84 random
     bits. Time first, so that the results in flight are neighbours in the store's index
-    rather than spread all over it (docs/performance.md, the eighteenth round). The random
-    digits are drawn 256 ids at a time: one system call for a product of 128 tiles
-    under a quorum of two, rather than one an id."""
-    if not _random_hex:
-        pool = secrets.token_hex(11 * 256)
-        _random_hex.extend(pool[i : i + 21] for i in range(0, len(pool), 22))
-    return f"{time.time_ns() >> 20:011x}"[-11:] + _random_hex.pop()
+    rather than spread all over it (docs/performance.md, the eighteenth round)."""
+    return f"{time.time_ns() >> 20:011x}"[-11:] + secrets.token_hex(11)[:21]
 
 
 class Products:

@@ -13,7 +13,6 @@ from collections.abc import Callable
 from coordinator.state.store import Batch, Reply, Snapshot, Store
 from coordinator.work.events import Event
 from coordinator.work.records import (
-    WU_DECIDED,
     Gemm,
     GemmState,
     Host,
@@ -61,9 +60,6 @@ class Ledger:
         self.touched: set[str] = set()
         # Of the whole project, finished products included, so status never reads the store.
         self.workunit_counts: Counter[str] = Counter()
-        # Work units of each GEMM in memory that are decided (WU_DECIDED): how near its end
-        # a product is, for tail acceleration, without a walk over its work units each pass.
-        self.decided_of_gemm: Counter[str] = Counter()
         self.invalid_count = 0
         self._batch = Batch()
         self._queued_since: float | None = None  # monotonic time of the oldest queued change
@@ -121,9 +117,7 @@ class Ledger:
         old = self.wus.get(wu.id)
         if old is not None:
             self.workunit_counts[old.state.value] -= 1
-            self.decided_of_gemm[wu.gemm_id] -= old.state in WU_DECIDED
         self.workunit_counts[wu.state.value] += 1
-        self.decided_of_gemm[wu.gemm_id] += wu.state in WU_DECIDED
         self.wus[wu.id] = wu
         self.wus_of[wu.gemm_id][wu.id] = None
         self._batch.workunits[wu.id] = wu
@@ -233,7 +227,6 @@ class Ledger:
 
     def forget_gemm(self, gemm_id: str) -> None:
         """Drop a finished GEMM's records from memory (they stay in the store)."""
-        self.decided_of_gemm.pop(gemm_id, None)
         for wu_id in list(self.wus_of.pop(gemm_id, ())):
             for result_id in list(self.results_of.pop(wu_id, ())):
                 result = self.results.pop(result_id)
@@ -256,7 +249,6 @@ class Ledger:
         for wu in snapshot.workunits:
             self.wus[wu.id] = wu
             self.wus_of[wu.gemm_id][wu.id] = None
-            self.decided_of_gemm[wu.gemm_id] += wu.state in WU_DECIDED
             self.touched.add(wu.id)
             # Due again at its transition time: the first pass may leave a work unit as it
             # is (no deadline passed yet), and then nothing else would ever look at it.

@@ -20,7 +20,6 @@ from coordinator.rules.scheduler import (
     wants_tile,
 )
 from coordinator.state.ledger import Ledger
-from coordinator.state.store import Snapshot
 from coordinator.work.protocol import WorkRequest
 from coordinator.work.records import (
     Host,
@@ -30,7 +29,6 @@ from coordinator.work.records import (
     ServerState,
     ValidateState,
     WorkUnit,
-    WuState,
 )
 
 NOW = 5_000.0
@@ -739,23 +737,3 @@ def test_a_panel_whose_blob_a_checkpoint_deleted_is_named_until_its_step_is_let_
     assert stale_panels(("old", "new"), ledger.panel_step, 5) == ["old"]
     ledger.forget_panel_steps(1)  # one checkpoint later, with the rows of its steps
     assert ledger.panel_step == {"new": 5}
-
-
-def test_the_ledger_knows_how_many_of_a_products_work_units_are_decided():
-    """Tail acceleration starts once a share of a product's tiles is decided: the ledger
-    counts them as they change, through a restart, until the product leaves memory."""
-    wus = [make_wu(n) for n in range(4)]
-    ledger = make_ledger(wus)
-    assert ledger.decided_of_gemm["gemm-1"] == 0
-    ledger.put_wu(wus[0].evolve(state=WuState.VALIDATED))
-    ledger.put_wu(wus[1].evolve(state=WuState.ERROR))
-    ledger.put_wu(wus[0].evolve(state=WuState.ASSIMILATED))  # still decided: counted once
-    assert ledger.decided_of_gemm["gemm-1"] == 2
-    ledger.put_wu(wus[2].evolve(target_nresults=3))  # a change that decides nothing
-    assert ledger.decided_of_gemm["gemm-1"] == 2
-
-    restarted = Ledger(store=None)  # type: ignore[arg-type]
-    restarted.restore(Snapshot([], [], list(ledger.wus.values()), []))
-    assert restarted.decided_of_gemm["gemm-1"] == 2
-    ledger.forget_gemm("gemm-1")
-    assert "gemm-1" not in ledger.decided_of_gemm
