@@ -86,7 +86,7 @@ async def engine(tmp_path):
 
 
 def test_result_ids_are_distinct_hex_and_lead_with_the_time():
-    ids = [new_result_id() for _ in range(2000)]  # random digits drawn 256 ids at a time
+    ids = [new_result_id() for _ in range(2000)]
     assert len(set(ids)) == len(ids)
     assert all(re.fullmatch(r"[0-9a-f]{32}", i) for i in ids)
     assert [i[:11] for i in ids] == sorted(i[:11] for i in ids)
