@@ -25,7 +25,8 @@ from collections.abc import Callable
 from typing import Any
 
 import msgpack
-import numpy as np
+
+from kernels.malloc import empty_bytes
 
 CONTENT_TYPE = "application/x-tilehive-frames"
 MAGIC = b"THF1"
@@ -71,8 +72,9 @@ class Trailer:
 def body_buffer(size: int) -> memoryview:
     """A writable buffer of `size` bytes for a body about to be read into it, left as the
     allocator gives it: `bytearray(size)` first writes zeros over all of it, a pass over
-    every byte that the body then overwrites."""
-    return memoryview(np.empty(size, np.uint8))
+    every byte that the body then overwrites. In a volunteer a large one is in huge pages
+    (`malloc.empty_bytes`)."""
+    return memoryview(empty_bytes(size))
 
 
 def frame(document: bytes, trailer: Trailer) -> list[Buffer]:

@@ -22,6 +22,8 @@ import struct
 import numpy as np
 from blake3 import blake3
 
+from kernels.malloc import empty_bytes
+
 MAGIC = b"THARR1\0\0"
 MAX_NDIM = 4
 ALLOWED_DTYPES: dict[bytes, np.dtype] = {
@@ -99,13 +101,14 @@ def blob_array(
     """A blob whose array is yet to be written: (the blob, a writable array over its data).
 
     A kernel writes its output straight into the blob (`out=`), so the tile is never copied
-    to be encoded: for a 16 MB tile that is a copy and 4,096 fresh pages saved."""
+    to be encoded: for a 16 MB tile that is a copy and 4,096 fresh pages saved. In a
+    volunteer a large one is in huge pages (`malloc.empty_bytes`)."""
     dtype = np.dtype(dtype)
     code = _CODES.get(dtype.newbyteorder("<"))
     if code is None or len(shape) > MAX_NDIM:
         raise ValueError(f"cannot make a blob of {dtype} {shape}")
     header = _header(code, shape)
-    buffer = np.empty(len(header) + dtype.itemsize * math.prod(shape), np.uint8)
+    buffer = empty_bytes(len(header) + dtype.itemsize * math.prod(shape))
     buffer[: len(header)] = np.frombuffer(header, np.uint8)
     array = buffer[len(header) :].view(dtype.newbyteorder("<")).reshape(shape)
     return memoryview(buffer), array
