@@ -68,8 +68,8 @@ def _float32_header(shape: tuple[int, ...]) -> bytes:
 def is_float32_blob(blob: bytes | bytearray | memoryview, shape: tuple[int, ...]) -> bool:
     """True if `blob` is exactly the blob of a float32 array of `shape` (a tile as a report
     must carry it): its header compared as bytes, its length checked, nothing decoded
-    (0.4 us for a small tile, against 1.9 for decode_array; docs/performance.md, the
-    twenty-first round)."""
+    (0.4 us for a small tile, against 1.9 for decode_array; docs/performance-history.md,
+    the twenty-first round)."""
     header = _float32_header(tuple(shape))
     view = memoryview(blob).cast("B")
     return len(view) == len(header) + 4 * math.prod(shape) and view[: len(header)] == header

@@ -22,7 +22,7 @@ So the coordinator and `train --local` tune it that way. The volunteer daemon ru
 else's machine within its `--max-memory`, and there glibc's defaults were the problem: with the
 mapping threshold grown to a 16 MiB tile, every panel and tile after it came from heaps that
 freed memory does not leave, one heap per thread, and on the larger project a daemon of
-`--max-memory 200` peaked at 280-340 MB (docs/performance.md, the nineteenth round). So it
+`--max-memory 200` peaked at 280-340 MB (docs/performance-history.md, the nineteenth round). So it
 takes the opposite setting: one arena, and every block of 2 MiB or more mapped on its own and
 unmapped when freed, so that its resident memory is what it holds. The price is the zeroed
 pages of each new block, which the coordinator's setting saves.

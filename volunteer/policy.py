@@ -8,8 +8,8 @@ MB = 1 << 20
 WORKSPACE_PER_THREAD = 2 * MB  # the kernel's packing buffers, with room to spare
 # What the daemon's own memory grows by once it works (Python's objects, answers and
 # reports being read and written, the sockets' buffers), beyond its footprint at start
-# and the budget: 11-13 MB at the larger project's peaks (docs/performance.md, the
-# twentieth round).
+# and the budget: 11-13 MB at the larger project's peaks (docs/performance-history.md,
+# the twentieth round).
 GROWTH = 16 * MB
 MAX_CAPACITY = 64  # tiles queued at most: as many as a trusted host may hold
 REPORT_BATCH = 64  # results per report at most

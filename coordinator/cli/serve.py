@@ -40,7 +40,8 @@ SWITCH_INTERVAL = 0.0005  # seconds a thread may hold the GIL while another wait
 # coordinator's records, requests and reports are freed by reference counting: a run of the
 # throughput benchmark leaves about 2,400 objects of cyclic garbage, none of them arrays. At
 # the default the collector made 1,700 passes in that run, about 9% of the coordinator's CPU,
-# and a full pass stalled the server's loop for about 45 ms (docs/performance.md, tenth round).
+# and a full pass stalled the server's loop for about 45 ms (docs/performance-history.md,
+# the tenth round).
 GC_THRESHOLDS = (50_000, 10, 10)
 FINISH_GRACE = 15.0  # seconds a finished coordinator waits for its volunteers to hear it
 RECENT_CONTACT = 30.0  # volunteers in contact this recently are told before it exits

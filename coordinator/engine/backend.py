@@ -30,7 +30,7 @@ TRAINING_NICE = 5  # the training thread's nice value above the server's
 # A model whose widest activation in a micro-batch, and whose parameters, are each smaller
 # than this trains on the server's loop. Trained so, tiny-gpt (1 MB and 1.9 MB) kept a status
 # request waiting 6.4 ms at most in three runs, and AdamW over 4 MB of parameters takes 2 ms
-# (docs/performance.md, the twelfth round).
+# (docs/performance-history.md, the twelfth round).
 SMALL_MODEL_BYTES = 4 << 20
 
 

@@ -68,7 +68,7 @@ class GemmOutput:
 def new_result_id() -> str:
     """32 hex digits: the time in steps of about a millisecond (11 digits), then 84 random
     bits. Time first, so that the results in flight are neighbours in the store's index
-    rather than spread all over it (docs/performance.md, the eighteenth round)."""
+    rather than spread all over it (docs/performance-history.md, the eighteenth round)."""
     return f"{time.time_ns() >> 20:011x}"[-11:] + secrets.token_hex(11)[:21]
 
 

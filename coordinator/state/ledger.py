@@ -129,7 +129,7 @@ class Ledger:
         with an earlier deadline): in memory and in the due queue, but not written. After a
         restart every work unit passes through the transitioner first (`restore`), which
         sets the time again from its results' deadlines. Not writing it took a work
-        unit's own rows from 2.4-2.5 to 2.15 in the throughput row (docs/performance.md,
+        unit's own rows from 2.4-2.5 to 2.15 in the throughput row (docs/performance-history.md,
         the twenty-first round)."""
         self.wus[wu.id] = wu
         if wu.id in self._batch.workunits:  # a change queued before: it goes with this time

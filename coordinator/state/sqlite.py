@@ -64,7 +64,7 @@ LIGHT_ROWS = 256
 # Writes that only append rows (events: eight a work unit) bind up to ROWS_AT_ONCE rows a
 # statement (queries.many_rows), as far as SQLite's limit on a statement's parameters
 # allows, rather than run the statement once a row: 1.0 us an event against 2.0
-# (docs/performance.md, the twenty-first round). Upserts gained nothing measurable.
+# (docs/performance-history.md, the twenty-first round). Upserts gained nothing measurable.
 APPENDS = frozenset({"insert_event"})
 ROWS_AT_ONCE = 256
 
@@ -129,7 +129,7 @@ class SqliteStore(QueryStore):
         db.execute("PRAGMA synchronous=NORMAL")
         # Work units and results are keyed by random hashes, so each commit writes pages all
         # over their indexes: SQLite's default cache (2 MB) rereads most of them, 64 MB holds
-        # those of tens of thousands of work units (docs/performance.md, ninth round).
+        # those of tens of thousands of work units (docs/performance-history.md, ninth round).
         db.execute(f"PRAGMA cache_size=-{PAGE_CACHE_KIB}")
         db.execute("PRAGMA foreign_keys=ON")
         db.execute(f"PRAGMA wal_autocheckpoint={BACKSTOP_PAGES}")  # _checkpoint_every's job

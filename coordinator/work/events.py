@@ -10,8 +10,8 @@ class Event(NamedTuple):
 
     A named tuple rather than a frozen dataclass like the other records: a work unit makes
     eight of them, and as a tuple an event is built in 0.42 us instead of 1.07 and is
-    already the row its insert binds (`queries.values`; docs/performance.md, the
-    twenty-first round)."""
+    already the row its insert binds (`queries.values`; docs/performance-history.md,
+    the twenty-first round)."""
 
     time: float
     kind: str  # "gemm", "wu", "result", "validation", "host"

@@ -300,7 +300,7 @@ def workunit_id(
     commit writes every index page it touches whole to the WAL and again at the checkpoint:
     with bare hashes each new work unit landed on a page of its own, so a commit touched
     about one page a work unit in each of two indexes. Led by the step, a step's work units
-    are neighbours at the index's end (docs/performance.md, the twenty-second round)."""
+    are neighbours at the index's end (docs/performance-history.md, the twenty-second round)."""
     digest = canonical_id(
         "wu",
         {

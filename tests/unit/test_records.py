@@ -33,8 +33,8 @@ def test_work_unit_ids_name_their_content_and_sort_by_step():
     # The same description names the same work unit: a restarted coordinator finds it.
     assert [wu.id for wu in workunits(8, "0")] == [wu.id for wu in later]
     # A step's work units are neighbours in the store's indexes, after the steps before
-    # (a commit writes the pages it touches whole: docs/performance.md, twenty-second
-    # round), and a GEMM's work units are neighbours within its step.
+    # (a commit writes the pages it touches whole: docs/performance-history.md,
+    # the twenty-second round), and a GEMM's work units are neighbours within its step.
     assert max(wu.id for wu in earlier) < min(wu.id for wu in later)
     in_order = sorted(earlier, key=lambda wu: wu.id)
     assert len({wu.gemm_id for wu in in_order[:16]}) == 1
