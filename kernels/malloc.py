@@ -71,12 +71,14 @@ def keep_freed_memory() -> bool:
 
 
 def return_freed_memory() -> bool:
-    """Tune glibc's malloc for a bounded resident size, as above (the volunteer daemon's);
-    True if it took. The same conditions as keep_freed_memory."""
+    """Tune glibc's malloc for a bounded resident size, as above (the volunteer daemon's),
+    and map large buffers on their own (`empty_bytes`); True if it took. The same conditions
+    as keep_freed_memory: where the user set malloc's thresholds, neither is done."""
     global _own_mappings
-    _own_mappings = sys.platform.startswith("linux") and hasattr(mmap, "MADV_HUGEPAGE")
     # Setting the threshold also stops glibc from raising it, and the trim threshold with it.
-    return _tune(((M_MMAP_THRESHOLD, RETURN_THRESHOLD),))
+    took = _tune(((M_MMAP_THRESHOLD, RETURN_THRESHOLD),))
+    _own_mappings = took and hasattr(mmap, "MADV_HUGEPAGE")
+    return took
 
 
 def empty_bytes(nbytes: int) -> np.ndarray:
@@ -84,17 +86,20 @@ def empty_bytes(nbytes: int) -> np.ndarray:
 
     After `return_freed_memory`, a buffer of a huge page or more is a private mapping of its
     own whose data starts on a huge page, with huge pages asked for over the whole ones it
-    spans (the last, partial one stays in small pages, so nothing past the buffer is made
-    resident). The mapping goes when the last view of the array does. Otherwise, and below a
-    huge page, it is `np.empty`."""
+    spans. The rest of the mapping, from the last, partial huge page on, is kept in small
+    pages even where the kernel gives huge pages unasked, so that nothing past the buffer
+    becomes resident. The mapping goes when the last view of the array does. Otherwise, and
+    below a huge page, it is `np.empty`."""
     if not _own_mappings or nbytes < HUGE_PAGE:
         return np.empty(nbytes, np.uint8)
     # Room to move the start to a huge page boundary; the part skipped is never touched.
     mapping = mmap.mmap(-1, nbytes + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     whole = np.frombuffer(mapping, np.uint8)
     start = -whole.ctypes.data % HUGE_PAGE
+    huge = nbytes // HUGE_PAGE * HUGE_PAGE
     with contextlib.suppress(OSError):  # a kernel without transparent huge pages
-        mapping.madvise(mmap.MADV_HUGEPAGE, start, nbytes // HUGE_PAGE * HUGE_PAGE)
+        mapping.madvise(mmap.MADV_HUGEPAGE, start, huge)
+        mapping.madvise(mmap.MADV_NOHUGEPAGE, start + huge, len(mapping) - start - huge)
     return whole[start : start + nbytes]
 
 
