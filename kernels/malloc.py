@@ -93,7 +93,10 @@ def empty_bytes(nbytes: int) -> np.ndarray:
     if not _own_mappings or nbytes < HUGE_PAGE:
         return np.empty(nbytes, np.uint8)
     # Room to move the start to a huge page boundary; the part skipped is never touched.
-    mapping = mmap.mmap(-1, nbytes + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    try:
+        mapping = mmap.mmap(-1, nbytes + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    except OSError as exc:  # out of memory, as np.empty would say it (not a network error)
+        raise MemoryError(f"cannot map {nbytes} bytes: {exc.strerror}") from exc
     whole = np.frombuffer(mapping, np.uint8)
     start = -whole.ctypes.data % HUGE_PAGE
     huge = nbytes // HUGE_PAGE * HUGE_PAGE

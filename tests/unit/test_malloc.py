@@ -143,3 +143,27 @@ def test_the_volunteers_large_buffers_are_in_huge_pages() -> None:
         pytest.skip("this kernel gave no huge page")
     # 8 MiB is 2,048 small pages or 4 huge ones (the first and last may stay small).
     assert int(faults) < 200
+
+
+# What a buffer the process has no room for raises: MemoryError, as np.empty's would, not the
+# OSError of a failed mapping (which a volunteer would take for a network error and retry).
+NO_ROOM = """
+import resource
+from kernels.malloc import empty_bytes, return_freed_memory
+took = return_freed_memory()
+with open("/proc/self/statm") as f:
+    mapped = int(f.read().split()[0]) * resource.getpagesize()
+soft, hard = resource.getrlimit(resource.RLIMIT_AS)
+resource.setrlimit(resource.RLIMIT_AS, (mapped + (256 << 20), hard))  # room for 256 MiB more
+try:
+    empty_bytes(2 << 30)
+except MemoryError:
+    print(took, "MemoryError")
+"""
+
+
+def test_a_buffer_without_room_is_a_memory_error() -> None:
+    took, raised = run_probe(NO_ROOM, "tuned")
+    if took != "True":
+        pytest.skip("not glibc's malloc")
+    assert raised == "MemoryError"
