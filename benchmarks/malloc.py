@@ -1,5 +1,6 @@
 """Malloc benchmark: the CPU of a step's kind of allocations with the coordinator's malloc
-settings (kernels/malloc.py) against glibc's defaults.
+settings (kernels/malloc.py) against glibc's defaults; and the volunteer's large buffers in
+huge pages (`malloc.empty_bytes`) against `np.empty`, both under the volunteer's setting.
 
 Run:  .venv/bin/python benchmarks/malloc.py [--rounds N]
 
@@ -9,6 +10,11 @@ the larger project; the first arrays of each size find no freed memory either wa
 runs it once tuned and once with glibc's defaults, in fresh processes, alternately; the
 figures are the medians of the rounds' CPU seconds (user and system, the child's own) and of
 its minor page faults.
+
+The volunteer's row: a process under `return_freed_memory` receives bodies of 2, 4 and 16
+MiB (each a fresh buffer, filled as a body read from the network is) and has its kernel
+write 4 MiB tiles into fresh buffers (0.6 GiB of bodies, 1 GiB of tiles), its buffers from
+`empty_bytes` or from `np.empty`, alternately in fresh processes.
 """
 
 from __future__ import annotations
@@ -50,12 +56,39 @@ print(json.dumps({
 """
 
 
-def once(mode: str) -> dict:
+VOLUNTEER_BUFFERS = """
+import json, resource, sys
+import numpy as np
+import kernels
+from kernels.malloc import empty_bytes, return_freed_memory
+took = return_freed_memory()
+fresh = empty_bytes if sys.argv[1] == "tuned" else (lambda n: np.empty(n, np.uint8))
+HEADER = 32  # a blob's header before its array (kernels.hashing)
+body = np.ones(16 << 20, np.uint8)
+a, b = np.ones((1024, 256), np.float32), np.ones((256, 1024), np.float32)
+before = resource.getrusage(resource.RUSAGE_SELF)
+for _ in range(16):  # bodies of 2, 4 and 16 MiB and 4 MiB tiles: about 1 GiB of each
+    for size in (2 << 20, 4 << 20, 16 << 20, 2 << 20, 4 << 20, 4 << 20, 2 << 20, 4 << 20):
+        np.copyto(fresh(HEADER + size)[HEADER:], body[:size])
+    for _ in range(16):
+        tile = fresh(HEADER + (4 << 20))[HEADER:].view(np.float32).reshape(1024, 1024)
+        kernels.gemm(a, b, out=tile)
+after = resource.getrusage(resource.RUSAGE_SELF)
+print(json.dumps({
+    "took": took,
+    "user": after.ru_utime - before.ru_utime,
+    "system": after.ru_stime - before.ru_stime,
+    "faults": after.ru_minflt - before.ru_minflt,
+}))
+"""
+
+
+def once(mode: str, script: str = ALLOCATIONS) -> dict:
     env = {k: v for k, v in os.environ.items() if not k.startswith("MALLOC_")}
     env.pop("GLIBC_TUNABLES", None)
     env["PYTHONPATH"] = os.path.dirname(_HERE)
     done = subprocess.run(
-        [sys.executable, "-c", ALLOCATIONS, mode],
+        [sys.executable, "-c", script, mode],
         env=env,
         capture_output=True,
         text=True,
@@ -67,29 +100,41 @@ def once(mode: str) -> dict:
 
 
 def run(rounds: int = 5) -> list[Row]:
-    runs: dict[str, list[dict]] = {"tuned": [], "default": []}
-    for _ in range(rounds):
-        for mode in ("default", "tuned"):
-            runs[mode].append(once(mode))
-    if not all(r["took"] for r in runs["tuned"]):
-        return [Row("malloc", "not glibc's malloc: nothing to tune", "-")]
-
-    cpu, system, faults = (
-        {mode: statistics.median(r[key] for r in runs[mode]) for mode in runs}
-        for key in ("cpu", "system", "faults")
-    )
-    return [
-        Row(
-            "malloc",
+    rows = []
+    for script, measure in (
+        (
+            ALLOCATIONS,
             "CPU of making and dropping 2.5 GiB of 4-16 MiB arrays on two threads: "
             "the coordinator's malloc / glibc's defaults",
-            f"{cpu['tuned'] / cpu['default']:.2f}x",
-            note=f"{cpu['tuned']:.2f} against {cpu['default']:.2f} CPU-s, of it system "
-            f"{system['tuned']:.2f} against {system['default']:.2f}; minor page faults "
-            f"{faults['tuned']:,.0f} against {faults['default']:,.0f}; medians of {rounds} "
-            "alternating rounds",
+        ),
+        (
+            VOLUNTEER_BUFFERS,
+            "CPU of a volunteer's fresh bodies and tiles of 2-16 MiB, 1.6 GiB in all, under its "
+            "malloc: in huge pages (empty_bytes) / np.empty",
+        ),
+    ):
+        runs: dict[str, list[dict]] = {"tuned": [], "default": []}
+        for _ in range(rounds):
+            for mode in ("default", "tuned"):
+                runs[mode].append(once(mode, script))
+        if not all(r["took"] for r in runs["tuned"]):
+            return [Row("malloc", "not glibc's malloc: nothing to tune", "-")]
+        cpu, system, faults = (
+            {mode: statistics.median(r[key] for r in runs[mode]) for mode in runs}
+            for key in ("cpu", "system", "faults")
         )
-    ]
+        rows.append(
+            Row(
+                "malloc",
+                measure,
+                f"{cpu['tuned'] / cpu['default']:.2f}x",
+                note=f"{cpu['tuned']:.2f} against {cpu['default']:.2f} CPU-s, of it system "
+                f"{system['tuned']:.2f} against {system['default']:.2f}; minor page faults "
+                f"{faults['tuned']:,.0f} against {faults['default']:,.0f}; medians of "
+                f"{rounds} alternating rounds",
+            )
+        )
+    return rows
 
 
 def main() -> None:

@@ -35,9 +35,10 @@ kernel for 2 MiB pages in it (`MADV_HUGEPAGE`). A page fault then fills 2 MiB in
 the larger project a volunteer took 72,000-78,000 page faults in 6 steps instead of
 733,000-743,000, its system time fell by about an eighth, and the step by 1-5% (three pairs:
 2.58-2.70 s against 2.68-2.73 s), its peak no higher (174-177 MB against 175-179;
-docs/performance-history.md, the twenty-fourth round). glibc's own mappings start 16 bytes
-past a page and numpy advises only arrays of 4 MiB or more, so most of such a buffer came
-in 4 KiB pages before. Where the kernel must compact memory to find a huge page, a fault
+docs/performance-history.md, the twenty-fourth round; `benchmarks/malloc.py` isolates it:
+0.73x the CPU of np.empty's buffers). glibc's own mappings start 16 bytes past a page and
+numpy advises only arrays of 4 MiB or more, so most of such a buffer came in 4 KiB pages
+before. Where the kernel must compact memory to find a huge page, a fault
 may wait for it: numpy already asks the same for its large arrays, in every process.
 """
 
