@@ -31,6 +31,17 @@ sys.path.insert(0, os.path.dirname(_HERE))
 
 from benchmarks.report import Row, run_alone  # noqa: E402
 
+# What each script (below) prints once its work since `before` is done: `once` appends it.
+FIGURES = """
+after = resource.getrusage(resource.RUSAGE_SELF)
+print(json.dumps({
+    "took": took,
+    "user": after.ru_utime - before.ru_utime,
+    "system": after.ru_stime - before.ru_stime,
+    "faults": after.ru_minflt - before.ru_minflt,
+}))
+"""
+
 ALLOCATIONS = """
 import json, resource, sys, threading
 import numpy as np
@@ -46,13 +57,6 @@ def churn():
 before = resource.getrusage(resource.RUSAGE_SELF)
 worker = threading.Thread(target=churn)
 worker.start(); churn(); worker.join()
-after = resource.getrusage(resource.RUSAGE_SELF)
-print(json.dumps({
-    "took": took,
-    "user": after.ru_utime - before.ru_utime,
-    "system": after.ru_stime - before.ru_stime,
-    "faults": after.ru_minflt - before.ru_minflt,
-}))
 """
 
 
@@ -67,19 +71,12 @@ HEADER = 32  # a blob's header before its array (kernels.hashing)
 body = np.ones(16 << 20, np.uint8)
 a, b = np.ones((1024, 256), np.float32), np.ones((256, 1024), np.float32)
 before = resource.getrusage(resource.RUSAGE_SELF)
-for _ in range(16):  # bodies of 2, 4 and 16 MiB and 4 MiB tiles: about 1 GiB of each
+for _ in range(16):  # bodies of 2, 4 and 16 MiB (0.6 GiB) and 4 MiB tiles (1 GiB)
     for size in (2 << 20, 4 << 20, 16 << 20, 2 << 20, 4 << 20, 4 << 20, 2 << 20, 4 << 20):
         np.copyto(fresh(HEADER + size)[HEADER:], body[:size])
     for _ in range(16):
         tile = fresh(HEADER + (4 << 20))[HEADER:].view(np.float32).reshape(1024, 1024)
         kernels.gemm(a, b, out=tile)
-after = resource.getrusage(resource.RUSAGE_SELF)
-print(json.dumps({
-    "took": took,
-    "user": after.ru_utime - before.ru_utime,
-    "system": after.ru_stime - before.ru_stime,
-    "faults": after.ru_minflt - before.ru_minflt,
-}))
 """
 
 
@@ -88,7 +85,7 @@ def once(mode: str, script: str = ALLOCATIONS) -> dict:
     env.pop("GLIBC_TUNABLES", None)
     env["PYTHONPATH"] = os.path.dirname(_HERE)
     done = subprocess.run(
-        [sys.executable, "-c", script, mode],
+        [sys.executable, "-c", script + FIGURES, mode],
         env=env,
         capture_output=True,
         text=True,
