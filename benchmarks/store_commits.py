@@ -35,7 +35,6 @@ _HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path[:] = [p for p in sys.path if os.path.abspath(p or ".") != _HERE]
 sys.path.insert(0, os.path.dirname(_HERE))
 
-from coordinator.engine.products import new_result_id  # noqa: E402
 from coordinator.state.sqlite import PAGE_CACHE_KIB, SqliteStore  # noqa: E402
 from coordinator.state.store import Batch  # noqa: E402
 from coordinator.work.events import Event  # noqa: E402
@@ -50,6 +49,7 @@ from coordinator.work.records import (  # noqa: E402
     ValidateState,
     WorkUnit,
     WuState,
+    new_result_id,
     tile_bounds,
     tile_workunit,
 )

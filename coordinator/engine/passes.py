@@ -17,7 +17,7 @@ import kernels
 from coordinator.engine.config import CoordinatorConfig
 from coordinator.engine.metrics import Metrics
 from coordinator.engine.offload import offload
-from coordinator.engine.products import Products, new_result_id
+from coordinator.engine.products import Products
 from coordinator.engine.reports import quarantine_event
 from coordinator.rules import sizing, trust, validator
 from coordinator.rules.transitioner import transition
@@ -32,6 +32,7 @@ from coordinator.work.records import (
     ValidateState,
     WorkUnit,
     WuState,
+    new_result_id,
     short_workunit_id,
 )
 from validation import freivalds

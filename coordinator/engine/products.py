@@ -9,7 +9,6 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
-import secrets
 import time
 from collections import defaultdict
 from collections.abc import Awaitable, Callable
@@ -39,6 +38,7 @@ from coordinator.work.records import (
     WuError,
     WuState,
     gemm_id,
+    new_result_id,
     tile_bounds,
     tile_workunit,
 )
@@ -63,13 +63,6 @@ class GemmOutput:
     out: np.ndarray
     remaining: set[str]
     done: asyncio.Future
-
-
-def new_result_id() -> str:
-    """32 hex digits: the time in steps of about a millisecond (11 digits), then 84 random
-    bits. Time first, so that the results in flight are neighbours in the store's index
-    rather than spread all over it (docs/performance-history.md, the eighteenth round)."""
-    return f"{time.time_ns() >> 20:011x}"[-11:] + secrets.token_hex(11)[:21]
 
 
 class Products:

@@ -8,7 +8,9 @@ changed copy, which the coordinator's state keeps and the store persists.
 from __future__ import annotations
 
 import enum
-import functools
+import os
+import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Self
@@ -210,36 +212,80 @@ class Host:
 
 
 def evolve_record(record: Any, changes: dict[str, object]) -> Any:
-    """`dataclasses.replace` for the frozen, slotted records (these and events), at a third of
-    its cost: a result changes several times in a report's life, and replace() runs the whole
-    __init__. The records have no __post_init__, so copying the slots is the same record."""
-    return _copier(type(record))(record, changes)
+    """`dataclasses.replace` for the frozen, slotted records, at a third of its cost: a result
+    changes several times in a report's life, and replace() runs the whole __init__. The
+    records have no __post_init__, so copying the slots is the same record."""
+    try:
+        copy = _COPIERS[(type(record), *changes)]
+    except KeyError:
+        copy = _COPIERS[(type(record), *changes)] = _copier(type(record), tuple(changes))
+    return copy(record, changes)
 
 
-@functools.cache
-def _copier(cls: type) -> Callable[[Any, dict[str, object]], Any]:
-    """A function that copies a `cls` record with `changes`, written out field by field.
+_COPIERS: dict[tuple, Callable[[Any, dict[str, object]], Any]] = {}
 
-    Each slot is set through its own descriptor: object.__setattr__ looks the name up on the
-    class for every field, and that lookup was most of evolve()'s time (26 fields a work unit).
-    dataclasses writes __init__ the same way, with exec.
+
+def _copier(cls: type, changed: tuple[str, ...]) -> Callable[[Any, dict[str, object]], Any]:
+    """A function that copies a `cls` record with new values for the fields `changed`.
+
+    It fills a draft: an unfrozen class with the same slots, whose attributes are stored by
+    the interpreter's fast path for slots, then turns the draft into a `cls` by assigning
+    __class__, which Python allows between classes of identical layout. Setting each slot
+    through the frozen class costs a call per field (26 a work unit); this is three times
+    faster (docs/performance-history.md, the twenty-fifth round). Written out field by field
+    and per set of changed names, as dataclasses writes __init__, with exec.
     """
     names = list(cls.__dataclass_fields__)
-    scope: dict[str, object] = {"cls": cls, "names": frozenset(names), "new": object.__new__}
-    lines = [
-        "def copy(record, changes):",
-        "    if not names.issuperset(changes):",
-        "        wrong = sorted(set(changes) - names)[0]",
-        "        raise TypeError(f'{cls.__name__} has no field {wrong!r}')",
-        "    copied = new(cls)",
-    ]
-    for i, name in enumerate(names):
-        scope[f"set_{i}"] = cls.__dict__[name].__set__  # the slot's member descriptor
-        value = f"changes[{name!r}] if {name!r} in changes else record.{name}"
-        lines.append(f"    set_{i}(copied, {value})")
-    lines.append("    return copied")
+    if not set(names).issuperset(changed):
+        wrong = sorted(set(changed) - set(names))[0]
+        raise TypeError(f"{cls.__name__} has no field {wrong!r}")
+    draft = type(f"{cls.__name__}Draft", (), {"__slots__": cls.__slots__})
+    lines = ["def copy(record, changes):", "    copied = new(draft)"]
+    for name in names:
+        value = f"changes[{name!r}]" if name in changed else f"record.{name}"
+        lines.append(f"    copied.{name} = {value}")
+    lines += ["    copied.__class__ = cls", "    return copied"]
+    scope: dict[str, object] = {"cls": cls, "draft": draft, "new": object.__new__}
     exec("\n".join(lines), scope)  # our own field names: identifiers, never input
     return scope["copy"]  # type: ignore[return-value]
+
+
+class RandomHex:
+    """Hex digits from os.urandom, read a block at a time and never handed out twice.
+
+    A result id needs 21 random digits, and each call to os.urandom is a system call that
+    cost 3.6% of the coordinator's main thread (docs/performance-history.md, the
+    twenty-fifth round). A block is read afresh in a forked child, so that parent and child
+    cannot name results alike; the lock keeps two threads from taking the same digits."""
+
+    def __init__(self, block: int = 4096) -> None:
+        self._block = block
+        self._digits = ""
+        self._at = 0
+        self._lock = threading.Lock()
+        os.register_at_fork(after_in_child=self._discard)
+
+    def take(self, count: int) -> str:
+        with self._lock:
+            if self._at + count > len(self._digits):
+                self._digits = os.urandom(max(self._block, count)).hex()
+                self._at = 0
+            self._at += count
+            return self._digits[self._at - count : self._at]
+
+    def _discard(self) -> None:
+        self._lock = threading.Lock()
+        self._digits = ""
+
+
+_RANDOM_HEX = RandomHex()
+
+
+def new_result_id() -> str:
+    """32 hex digits: the time in steps of about a millisecond (11 digits), then 84 random
+    bits. Time first, so that the results in flight are neighbours in the store's index
+    rather than spread all over it (docs/performance-history.md, the eighteenth round)."""
+    return f"{time.time_ns() >> 20:011x}"[-11:] + _RANDOM_HEX.take(21)
 
 
 def canonical_id(kind: str, fields: dict[str, object]) -> str:

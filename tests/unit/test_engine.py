@@ -21,7 +21,6 @@ import kernels
 from coordinator.cli import serve
 from coordinator.engine.config import CoordinatorConfig
 from coordinator.engine.coordinator import Coordinator
-from coordinator.engine.products import new_result_id
 from coordinator.rules.scheduler import SchedulerConfig
 from coordinator.state.memory import MemoryStore
 from coordinator.work.protocol import RegisterRequest, ReportRequest, ResultReport, WorkRequest
@@ -32,6 +31,7 @@ from coordinator.work.records import (
     Redundancy,
     Result,
     ServerState,
+    new_result_id,
     tile_workunit,
 )
 from tests.factories import bits, operands

@@ -1,13 +1,22 @@
-"""Work unit ids: content names that keep a step's work units together in the store."""
+"""Records: content ids that keep a step's work units together in the store, result ids,
+and the copies `evolve` makes."""
 
 from __future__ import annotations
 
+import dataclasses
+import os
 import re
+
+import pytest
 
 from coordinator.work.records import (
     Gemm,
+    Host,
+    Outcome,
     Policy,
     Redundancy,
+    Result,
+    new_result_id,
     short_workunit_id,
     tile_bounds,
     tile_workunit,
@@ -44,3 +53,43 @@ def test_work_unit_ids_name_their_content_and_sort_by_step():
 def test_the_short_id_in_logs_tells_a_products_tiles_apart():
     tiles = workunits(3, "c")
     assert len({short_workunit_id(wu.id) for wu in tiles}) == len(tiles) == 16
+
+
+RECORDS = [
+    Gemm("g" * 64, 3, "l0", 16, 16, 4, False, True, 4, "a" * 64, "b" * 64, Policy.QUORUM),
+    workunits(3, "g")[0],
+    Result("r" * 32, "w" * 64, host_id=7),
+    Host(7, "laptop", "t" * 64, 1.0, 2.0),
+]
+
+
+@pytest.mark.parametrize("record", RECORDS, ids=lambda r: type(r).__name__)
+def test_evolve_is_dataclasses_replace_and_leaves_a_frozen_record(record):
+    fields = list(record.__dataclass_fields__)
+    for changed in (fields[:1], fields[-2:], fields):
+        changes = {name: f"new {name}" for name in changed}
+        evolved = record.evolve(**changes)
+        assert type(evolved) is type(record)
+        assert evolved == dataclasses.replace(record, **changes)
+        assert hash(evolved) == hash(dataclasses.replace(record, **changes))
+        assert record == dataclasses.replace(record)  # the original is untouched
+        with pytest.raises(dataclasses.FrozenInstanceError):
+            evolved.id = "changed"  # type: ignore[misc]
+
+
+def test_evolve_names_a_field_the_record_does_not_have():
+    with pytest.raises(TypeError, match="Result has no field 'colour'"):
+        RECORDS[2].evolve(outcome=Outcome.SUCCESS, colour="red")
+
+
+def test_result_ids_differ_between_a_forked_child_and_its_parent():
+    read, write = os.pipe()
+    new_result_id()  # the parent holds a block of random digits when it forks
+    child = os.fork()
+    if child == 0:  # pragma: no cover - the child's side
+        os.write(write, new_result_id().encode())
+        os._exit(0)
+    os.waitpid(child, 0)
+    theirs = os.read(read, 64).decode()
+    mine = new_result_id()
+    assert theirs[11:] != mine[11:]
