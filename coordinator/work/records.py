@@ -7,16 +7,20 @@ changed copy, which the coordinator's state keeps and the store persists.
 
 from __future__ import annotations
 
+import dataclasses
 import enum
+import functools
 import os
 import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Self
+from typing import Any, Self, TypeVar
 
 import msgpack
 from blake3 import blake3
+
+T = TypeVar("T")
 
 
 class Policy(enum.StrEnum):
@@ -79,6 +83,42 @@ class ValidateState(enum.StrEnum):
     TOO_LATE = "too_late"  # arrived after the WU was decided; checked, never used
 
 
+def drafted(cls: type[T]) -> type[T]:
+    """Give a frozen, slotted dataclass an __init__ that fills a draft: an unfrozen class with
+    the same slots, whose attributes the interpreter stores by its fast path for slots. The
+    instance becomes a draft while it is filled and a `cls` again at the end, which Python
+    allows between classes of identical layout.
+
+    A frozen dataclass sets each field through object.__setattr__, a call and a lookup on
+    the class per field: 2.0 us to build a work unit (26 fields) against 0.8 this way
+    (docs/performance-history.md, the twenty-fifth round). `evolve` copies through the same
+    draft. The parameters, their order and defaults are the dataclass's own."""
+    params, lines = [], []
+    scope: dict[str, object] = {"cls": cls, "draft": _draft(cls), "set": object.__setattr__}
+    for f in dataclasses.fields(cls):  # type: ignore[arg-type]
+        assert f.default_factory is dataclasses.MISSING, "a record's defaults are values"
+        if f.default is dataclasses.MISSING:
+            params.append(f.name)
+        else:
+            scope[f"default_{f.name}"] = f.default
+            params.append(f"{f.name}=default_{f.name}")
+        lines.append(f"    self.{f.name} = {f.name}")
+    head = [f"def __init__(self, {', '.join(params)}):", "    set(self, '__class__', draft)"]
+    source = "\n".join([*head, *lines, "    set(self, '__class__', cls)"])
+    exec(source, scope)  # our own field names: identifiers, never input
+    init = scope["__init__"]
+    init.__qualname__ = f"{cls.__qualname__}.__init__"  # type: ignore[attr-defined]
+    cls.__init__ = init  # type: ignore[misc]
+    return cls
+
+
+@functools.cache
+def _draft(cls: type) -> type:
+    """An unfrozen class with exactly `cls`'s slots."""
+    return type(f"{cls.__name__}Draft", (), {"__slots__": cls.__slots__})
+
+
+@drafted
 @dataclass(frozen=True, slots=True)
 class Redundancy:
     """BOINC's replication fields, copied into each work unit."""
@@ -98,6 +138,7 @@ class Redundancy:
         return self
 
 
+@drafted
 @dataclass(frozen=True, slots=True)
 class Gemm:
     """One matrix product C = op(A) @ op(B), cut into tiles of `tile` x `tile`."""
@@ -122,6 +163,7 @@ class Gemm:
         return evolve_record(self, changes)
 
 
+@drafted
 @dataclass(frozen=True, slots=True)
 class WorkUnit:
     """C[i0:i1, j0:j1] = op(A)[i0:i1, :] @ op(B)[:, j0:j1] of one GEMM."""
@@ -166,6 +208,7 @@ class WorkUnit:
         return evolve_record(self, changes)
 
 
+@drafted
 @dataclass(frozen=True, slots=True)
 class Result:
     """One replica of a work unit, assigned to at most one host."""
@@ -188,6 +231,7 @@ class Result:
         return evolve_record(self, changes)
 
 
+@drafted
 @dataclass(frozen=True, slots=True)
 class Host:
     """A volunteer machine, known by the hash of its bearer token."""
@@ -226,26 +270,19 @@ _COPIERS: dict[tuple, Callable[[Any, dict[str, object]], Any]] = {}
 
 
 def _copier(cls: type, changed: tuple[str, ...]) -> Callable[[Any, dict[str, object]], Any]:
-    """A function that copies a `cls` record with new values for the fields `changed`.
-
-    It fills a draft: an unfrozen class with the same slots, whose attributes are stored by
-    the interpreter's fast path for slots, then turns the draft into a `cls` by assigning
-    __class__, which Python allows between classes of identical layout. Setting each slot
-    through the frozen class costs a call per field (26 a work unit); this is three times
-    faster (docs/performance-history.md, the twenty-fifth round). Written out field by field
-    and per set of changed names, as dataclasses writes __init__, with exec.
-    """
+    """A function that copies a `cls` record with new values for the fields `changed`, through
+    a draft (`drafted`). Written out field by field and per set of changed names, as
+    dataclasses writes __init__, with exec."""
     names = list(cls.__dataclass_fields__)
     if not set(names).issuperset(changed):
         wrong = sorted(set(changed) - set(names))[0]
         raise TypeError(f"{cls.__name__} has no field {wrong!r}")
-    draft = type(f"{cls.__name__}Draft", (), {"__slots__": cls.__slots__})
     lines = ["def copy(record, changes):", "    copied = new(draft)"]
     for name in names:
         value = f"changes[{name!r}]" if name in changed else f"record.{name}"
         lines.append(f"    copied.{name} = {value}")
     lines += ["    copied.__class__ = cls", "    return copied"]
-    scope: dict[str, object] = {"cls": cls, "draft": draft, "new": object.__new__}
+    scope: dict[str, object] = {"cls": cls, "draft": _draft(cls), "new": object.__new__}
     exec("\n".join(lines), scope)  # our own field names: identifiers, never input
     return scope["copy"]  # type: ignore[return-value]
 
