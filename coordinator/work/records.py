@@ -109,7 +109,14 @@ def drafted(cls: type[T]) -> type[T]:
     init = scope["__init__"]
     init.__qualname__ = f"{cls.__qualname__}.__init__"  # type: ignore[attr-defined]
     cls.__init__ = init  # type: ignore[misc]
+    cls.__init_subclass__ = classmethod(_final)  # type: ignore[assignment]
     return cls
+
+
+def _final(subclass: type, **kwargs: object) -> None:
+    # The draft has its record's slots only, and __init__ ends by making `self` the record:
+    # a subclass would be built as its base.
+    raise TypeError(f"{subclass.__name__}: a record is not subclassed")
 
 
 @functools.cache

@@ -127,3 +127,10 @@ def test_result_ids_differ_between_a_forked_child_and_its_parent():
     theirs = os.read(read, 64).decode()
     mine = new_result_id()
     assert theirs[11:] != mine[11:]
+
+
+def test_a_record_is_not_subclassed():
+    with pytest.raises(TypeError, match="a record is not subclassed"):
+
+        class Special(Result):  # its definition is what fails
+            pass
