@@ -263,9 +263,10 @@ class Host:
 
 
 def evolve_record(record: Any, changes: dict[str, object]) -> Any:
-    """`dataclasses.replace` for the frozen, slotted records, at a third of its cost: a result
-    changes several times in a report's life, and replace() runs the whole __init__. The
-    records have no __post_init__, so copying the slots is the same record."""
+    """`dataclasses.replace` for the frozen, slotted records, at a fifth to a third of its
+    cost (`benchmarks/records.py`): a result changes several times in a report's life, and
+    replace() runs the whole __init__. The records have no __post_init__, so copying the
+    slots is the same record."""
     try:
         copy = _COPIERS[(type(record), *changes)]
     except KeyError:

@@ -121,10 +121,14 @@ def test_result_ids_differ_between_a_forked_child_and_its_parent():
     new_result_id()  # the parent holds a block of random digits when it forks
     child = os.fork()
     if child == 0:  # pragma: no cover - the child's side
-        os.write(write, new_result_id().encode())
-        os._exit(0)
+        try:
+            os.write(write, new_result_id().encode())
+        finally:
+            os._exit(0)  # never back into pytest
     os.waitpid(child, 0)
     theirs = os.read(read, 64).decode()
+    os.close(read)
+    os.close(write)
     mine = new_result_id()
     assert theirs[11:] != mine[11:]
 
