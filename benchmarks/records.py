@@ -10,8 +10,8 @@ Run:  .venv/bin/python benchmarks/records.py [--rounds N]
 - A result id: digits from a block of os.urandom against a `secrets.token_hex` call an id.
 
 Each round times both sides in turn, a few hundred thousand calls each; the figures are
-the medians of the rounds. A work unit's life in the throughput row builds a work unit and
-two results and changes records about eight times.
+the medians of the rounds. For scale: in the suite's coordinator throughput row, a work
+unit's life builds a work unit and two results and changes records several times.
 """
 
 from __future__ import annotations

@@ -92,22 +92,38 @@ def drafted(cls: type[T]) -> type[T]:
     A frozen dataclass sets each field through object.__setattr__, a call and a lookup on
     the class per field: 2.0 us to build a work unit (26 fields) against 0.8 this way
     (docs/performance-history.md, the twenty-fifth round). `evolve` copies through the same
-    draft. The parameters, their order and defaults are the dataclass's own."""
+    draft. The parameters, their order and defaults are the dataclass's own; a field this
+    __init__ could not honour is refused when the class is defined."""
+    if hasattr(cls, "__post_init__"):
+        raise TypeError(f"{cls.__name__}: a drafted record has no __post_init__")
     params, lines = [], []
-    scope: dict[str, object] = {"cls": cls, "draft": _draft(cls), "set": object.__setattr__}
+    scope: dict[str, object] = {
+        "__name__": cls.__module__,  # the generated function's __module__
+        "cls": cls,
+        "draft": _draft(cls),
+        "object_setattr": object.__setattr__,
+    }
     for f in dataclasses.fields(cls):  # type: ignore[arg-type]
-        assert f.default_factory is dataclasses.MISSING, "a record's defaults are values"
+        if f.default_factory is not dataclasses.MISSING or not f.init or f.kw_only:
+            raise TypeError(
+                f"{cls.__name__}.{f.name}: a drafted record's fields are plain parameters, "
+                "their defaults values (no default_factory, init=False or kw_only)"
+            )
         if f.default is dataclasses.MISSING:
             params.append(f.name)
         else:
             scope[f"default_{f.name}"] = f.default
             params.append(f"{f.name}=default_{f.name}")
         lines.append(f"    self.{f.name} = {f.name}")
-    head = [f"def __init__(self, {', '.join(params)}):", "    set(self, '__class__', draft)"]
-    source = "\n".join([*head, *lines, "    set(self, '__class__', cls)"])
+    head = [
+        f"def __init__(self, {', '.join(params)}):",
+        "    object_setattr(self, '__class__', draft)",
+    ]
+    source = "\n".join([*head, *lines, "    object_setattr(self, '__class__', cls)"])
     exec(source, scope)  # our own field names: identifiers, never input
     init = scope["__init__"]
     init.__qualname__ = f"{cls.__qualname__}.__init__"  # type: ignore[attr-defined]
+    init.__annotations__ = {f.name: f.type for f in dataclasses.fields(cls)} | {"return": None}  # type: ignore[arg-type]
     cls.__init__ = init  # type: ignore[misc]
     cls.__init_subclass__ = classmethod(_final)  # type: ignore[assignment]
     return cls
@@ -267,6 +283,7 @@ def evolve_record(record: Any, changes: dict[str, object]) -> Any:
     cost (`benchmarks/records.py`): a result changes several times in a report's life, and
     replace() runs the whole __init__. The records have no __post_init__, so copying the
     slots is the same record."""
+    # Keyed by the changed names in the order given: a few dozen keys, one a call site.
     try:
         copy = _COPIERS[(type(record), *changes)]
     except KeyError:
@@ -301,10 +318,13 @@ class RandomHex:
     A result id needs 21 random digits, and each call to os.urandom is a system call that
     cost 3.6% of the coordinator's main thread (docs/performance-history.md, the
     twenty-fifth round). A block is read afresh in a forked child, so that parent and child
-    cannot name results alike; the lock keeps two threads from taking the same digits."""
+    cannot name results alike. The coordinator draws ids on its event loop only, but
+    `new_result_id` stays safe from any thread, as `secrets` was: without the lock, a thread
+    switch between the check and the step forward would hand the same digits out twice.
+    The fork hook keeps its instance alive for good: there is one, for the process."""
 
-    def __init__(self, block: int = 4096) -> None:
-        self._block = block
+    def __init__(self, block_bytes: int = 4096) -> None:
+        self._block_bytes = block_bytes
         self._digits = ""
         self._at = 0
         self._lock = threading.Lock()
@@ -313,7 +333,7 @@ class RandomHex:
     def take(self, count: int) -> str:
         with self._lock:
             if self._at + count > len(self._digits):
-                self._digits = os.urandom(max(self._block, count)).hex()
+                self._digits = os.urandom(max(self._block_bytes, (count + 1) // 2)).hex()
                 self._at = 0
             self._at += count
             return self._digits[self._at - count : self._at]
@@ -321,6 +341,7 @@ class RandomHex:
     def _discard(self) -> None:
         self._lock = threading.Lock()
         self._digits = ""
+        self._at = 0
 
 
 _RANDOM_HEX = RandomHex()

@@ -18,6 +18,7 @@ from coordinator.work.records import (
     Result,
     ServerState,
     ValidateState,
+    drafted,
     new_result_id,
     short_workunit_id,
     tile_bounds,
@@ -121,16 +122,51 @@ def test_result_ids_differ_between_a_forked_child_and_its_parent():
     new_result_id()  # the parent holds a block of random digits when it forks
     child = os.fork()
     if child == 0:  # pragma: no cover - the child's side
+        status = 1
         try:
             os.write(write, new_result_id().encode())
+            status = 0
         finally:
-            os._exit(0)  # never back into pytest
-    os.waitpid(child, 0)
+            os._exit(status)  # never back into pytest
+    os.close(write)  # a child that wrote nothing leaves the read below empty, not blocked
+    _, status = os.waitpid(child, 0)
     theirs = os.read(read, 64).decode()
     os.close(read)
-    os.close(write)
+    assert os.waitstatus_to_exitcode(status) == 0
     mine = new_result_id()
+    assert re.fullmatch(r"[0-9a-f]{32}", theirs)
     assert theirs[11:] != mine[11:]
+
+
+@pytest.mark.parametrize(
+    "field",
+    [
+        dataclasses.field(default_factory=list),
+        dataclasses.field(default=0, init=False),
+        dataclasses.field(default=0, kw_only=True),
+    ],
+    ids=["default_factory", "init=False", "kw_only"],
+)
+def test_a_record_refuses_a_field_its_init_could_not_honour(field):
+    with pytest.raises(TypeError, match=r"Odd\.extra: a drafted record's fields are plain"):
+
+        @drafted
+        @dataclasses.dataclass(frozen=True, slots=True)
+        class Odd:
+            id: str
+            extra: object = field
+
+
+def test_a_record_refuses_a_post_init():
+    with pytest.raises(TypeError, match="Odd: a drafted record has no __post_init__"):
+
+        @drafted
+        @dataclasses.dataclass(frozen=True, slots=True)
+        class Odd:
+            id: str
+
+            def __post_init__(self) -> None:
+                pass
 
 
 def test_a_record_is_not_subclassed():
