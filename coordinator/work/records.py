@@ -123,7 +123,8 @@ def drafted(cls: type[T]) -> type[T]:
     exec(source, scope)  # our own field names: identifiers, never input
     init = scope["__init__"]
     init.__qualname__ = f"{cls.__qualname__}.__init__"  # type: ignore[attr-defined]
-    init.__annotations__ = {f.name: f.type for f in dataclasses.fields(cls)} | {"return": None}  # type: ignore[arg-type]
+    fields = dataclasses.fields(cls)  # type: ignore[arg-type]
+    init.__annotations__ = {f.name: f.type for f in fields} | {"return": None}
     cls.__init__ = init  # type: ignore[misc]
     cls.__init_subclass__ = classmethod(_final)  # type: ignore[assignment]
     return cls
