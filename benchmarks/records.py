@@ -1,5 +1,5 @@
-"""Records benchmark: what the coordinator pays for each record it builds or changes, and for
-each result id it draws, against the plain ways of doing the same (docs/performance.md).
+"""Records benchmark: what the coordinator pays for each record it builds or changes, against
+the plain ways of doing the same (docs/performance.md).
 
 Run:  .venv/bin/python benchmarks/records.py [--rounds N]
 
@@ -7,7 +7,6 @@ Run:  .venv/bin/python benchmarks/records.py [--rounds N]
   against a frozen, slotted dataclass of the same fields, as the records were before.
 - Changing two fields of a work unit and of a result: `evolve` against
   `dataclasses.replace` on that dataclass.
-- A result id: digits from a block of os.urandom against a `secrets.token_hex` call an id.
 
 Each round times both sides in turn, a few hundred thousand calls each; the figures are
 the medians of the rounds. For scale: in the suite's coordinator throughput row, a work
@@ -18,7 +17,6 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import secrets
 import statistics
 import sys
 import time
@@ -36,7 +34,6 @@ from coordinator.work.records import (  # noqa: E402
     ServerState,
     WorkUnit,
     WuState,
-    new_result_id,
 )
 
 CALLS = 200_000
@@ -113,11 +110,6 @@ def pairs() -> list[tuple[str, Callable[[], object], Callable[[], object]]]:
             "changing two fields of a result: evolve / dataclasses.replace",
             lambda: result.evolve(**reported),
             lambda: replace(plain_result, **reported),
-        ),
-        (
-            "a result id: a block of os.urandom / secrets.token_hex an id",
-            new_result_id,
-            lambda: f"{time.time_ns() >> 20:011x}"[-11:] + secrets.token_hex(11)[:21],
         ),
     ]
 
