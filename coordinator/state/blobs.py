@@ -181,7 +181,13 @@ class BlobStore:
         self._undeleted: set[str] = set()
         self._undeleted_lock = threading.Lock()
         self._undeleted_tried = 0.0  # monotonic time of the last pass over them
-        self._cond = threading.Condition()
+        # One lock, two queues of waiters: the writer waits on `_due` for a write to become
+        # due, callers on `_room` for memory or the disk. Waking the writer at every put
+        # and delete, to find nothing due, cost a tiny-gpt coordinator a thread switch and
+        # a GIL hand-off each time: 11% of its CPU (docs/performance-history.md).
+        self._lock = threading.RLock()  # re-entered: release() deletes under it
+        self._due = threading.Condition(self._lock)
+        self._room = threading.Condition(self._lock)
         # Holders of each blob (put with `hold`): it leaves memory when the last lets go.
         self._holds: Counter[str] = Counter()
         # Blobs let go of lately: a host fetching one holds work nobody needs any more.
@@ -285,7 +291,7 @@ class BlobStore:
                         self._write(blob, data)
         except BaseException:
             if hold:
-                with self._cond:
+                with self._lock:
                     self._holds.subtract(ids)
                     for blob in ids:
                         if self._holds[blob] <= 0:
@@ -297,7 +303,7 @@ class BlobStore:
         return ids
 
     def _behind(self, blobs: list[tuple[str, bytes]]) -> None:
-        with self._cond:
+        with self._lock:
             if self.failure is not None and self._unwritten:
                 raise self.failure
             if self._writer is None:
@@ -313,10 +319,11 @@ class BlobStore:
                     continue
                 self._unwritten[blob] = frozen(data)
                 self._unwritten_size += len(data)
-            self._cond.notify_all()
+            if self._write_due():
+                self._due.notify()
             # A disk slower than the network: the caller waits for it rather than memory
             # filling up (rare; off the event loop whenever the blobs are large).
-            self._cond.wait_for(
+            self._room.wait_for(
                 lambda: (
                     self._unwritten_size <= self.behind_bytes + WRITE_BACKLOG
                     or self.failure is not None
@@ -336,8 +343,8 @@ class BlobStore:
 
     def _write_behind(self) -> None:
         while True:
-            with self._cond:
-                self._cond.wait_for(lambda: self._write_due() or self._closed)
+            with self._lock:
+                self._due.wait_for(lambda: self._write_due() or self._closed)
                 if not self._write_due():
                     return
                 blob, data = next(iter(self._unwritten.items()))
@@ -346,16 +353,16 @@ class BlobStore:
                 if not os.path.exists(self._path_of(blob)):
                     self._write(blob, data)
             except OSError as exc:
-                with self._cond:
+                with self._lock:
                     if self.failure is None:
                         log.error("blob store %s cannot be written: %s", self.root, exc)
                     self.failure = exc
                     self._writing = None
                     self._deleted.discard(blob)  # not written: nothing to unlink
-                    self._cond.notify_all()
-                    self._cond.wait(WRITE_RETRY)  # the operator fixes the disk meanwhile
+                    self._room.notify_all()
+                    self._due.wait(WRITE_RETRY)  # the operator fixes the disk meanwhile
                 continue
-            with self._cond:
+            with self._lock:
                 self._writing = None
                 if self.failure is not None:
                     log.info("blob store %s is written again", self.root)
@@ -365,16 +372,16 @@ class BlobStore:
                 if blob in self._deleted:
                     self._deleted.discard(blob)
                     self._unlink(blob)
-                self._cond.notify_all()
+                self._room.notify_all()
 
     def drain(self, timeout: float | None = None) -> bool:
         """Write every blob held in memory to disk and wait for it; False if `timeout` came
         first."""
-        with self._cond:
+        with self._lock:
             self._draining += 1
-            self._cond.notify_all()
+            self._due.notify()
             try:
-                return self._cond.wait_for(lambda: not self._unwritten, timeout)
+                return self._room.wait_for(lambda: not self._unwritten, timeout)
             finally:
                 self._draining -= 1
 
@@ -383,7 +390,7 @@ class BlobStore:
         stop the writer; what is left is as after a crash (docs/architecture.md)."""
         if self.failure is None:
             self.drain(timeout)
-        with self._cond:
+        with self._lock:
             if self._unwritten:
                 log.warning(
                     "blob store %s: %d blobs (%.0f MB) not written at the stop; a restart "
@@ -395,7 +402,8 @@ class BlobStore:
             self._closed = True
             self._unwritten.clear()
             self._unwritten_size = 0
-            self._cond.notify_all()
+            self._due.notify()
+            self._room.notify_all()
 
     def _write(self, blob: str, data: bytes) -> None:
         """One blob, whole or absent: a temporary file in its folder, renamed into place.
@@ -455,7 +463,7 @@ class BlobStore:
         them when done."""
         blobs = list(blobs)
         self._keep_on_disk(blobs)
-        with self._cond:
+        with self._lock:
             for blob in blobs:
                 self._holds[blob] += 1
                 self._released.pop(blob, None)
@@ -464,7 +472,7 @@ class BlobStore:
         """Let go of blobs put with `hold`, once each: one nobody holds any more is deleted.
         A finished product's panels and tiles leave memory this way, unwritten, rather
         than fill it until the next checkpoint and spill to disk."""
-        with self._cond:
+        with self._lock:
             free = []
             for blob in blobs:
                 self._holds[blob] -= 1
@@ -486,7 +494,7 @@ class BlobStore:
         (a file written before and stored again since is unlinked by a later delete: the
         checkpoint's, which deletes every blob of the products before it)."""
         self.recent.discard(blob)
-        with self._cond:
+        with self._lock:
             data = self._unwritten.pop(blob, None)
             if data is not None:
                 self._unwritten_size -= len(data)
@@ -497,7 +505,7 @@ class BlobStore:
                 # waits for the disk now, and new blobs are taken until one must be written.
                 self.failure = None
                 log.info("blob store %s: nothing waits to be written any more", self.root)
-            self._cond.notify_all()
+            self._room.notify_all()  # no syscall unless a caller waits
         if data is None:
             self._unlink(blob)
 
