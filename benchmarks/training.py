@@ -11,7 +11,8 @@ of two hosts, so the runs with it use the Freivalds policy (one replica, checked
 per step come from each run's DIR/train.jsonl as the median over steps 2.. (step 1 waits for
 the volunteers to start); the runs with one volunteer, which the bars judge, are PAIRS pairs
 in turn (one with --quick), and their row gives the median pair. The volunteers' busy share
-is their compute seconds over the seconds they ran, from their status files. Their threads'
+is their compute seconds over the seconds they ran, from their status files; the coordinator's
+CPU-seconds a step (all its threads) come from its train.jsonl like the seconds. Their threads'
 time waiting for a CPU (runnable, not running: Linux's /proc/PID/task/*/schedstat), over
 their time on one, says how long their kernel sat preempted by other threads (the
 coordinator's, their own network thread) on the two cores they share; tiny-gpt's tiles
@@ -54,9 +55,10 @@ PAIRS = 3
 DEFAULT_MAX_MEMORY_MB = 200  # the brief: a volunteer's --max-memory defaults to under 200 MB
 
 
-def step_seconds(directory: Path) -> list[float]:
+def step_seconds(directory: Path, field: str = "seconds") -> list[float]:
+    """Each step's `field` from train.jsonl: its seconds, or its CPU-seconds."""
     lines = (directory / "train.jsonl").read_text().splitlines()
-    return [json.loads(line)["seconds"] for line in lines if line.strip()]
+    return [json.loads(line)[field] for line in lines if line.strip()]
 
 
 def typical(seconds: list[float]) -> float:
@@ -247,7 +249,8 @@ def run(quick: bool = False, models: tuple[str, ...] = ("tiny-gpt", "larger")) -
                     equal_all, count = equal_all and equal, count + 1
                     local_step = typical(step_seconds(local))
                     seconds = typical(step_seconds(directory))
-                    pairs.append((seconds / local_step, seconds, local_step, busy, waited))
+                    cpu = typical(step_seconds(directory, "cpu_seconds"))
+                    pairs.append((seconds / local_step, seconds, local_step, busy, waited, cpu))
                 rows.append(training_row(model, volunteers, policy, pairs))
     rows.extend(memory_row(model, used) for model, used in memory.items())
     rows.append(
@@ -267,12 +270,12 @@ def training_row(
     model: str,
     volunteers: int,
     policy: str,
-    pairs: list[tuple[float, float, float, float, tuple[float, float] | None]],
+    pairs: list[tuple[float, float, float, float, tuple[float, float] | None, float]],
 ) -> Row:
     """One row from pairs of (ratio, distributed step, --local step, busy share, CPU
-    waits): the median pair's figures (all of them that pair's), and every pair's ratio
-    when there are several."""
-    ratio, seconds, local_step, busy, waited = sorted(pairs, key=lambda pair: pair[0])[
+    waits, the coordinator's CPU-seconds a step): the median pair's figures (all of them
+    that pair's), and every pair's ratio when there are several."""
+    ratio, seconds, local_step, busy, waited, cpu = sorted(pairs, key=lambda pair: pair[0])[
         (len(pairs) - 1) // 2
     ]
     waits = (
@@ -295,7 +298,8 @@ def training_row(
         bar="" if bar is None else f"<= {bar}x",
         verdict="" if bar is None else verdict(ratio <= bar),
         note=f"{each}{seconds:.3f} s per step on loopback against {local_step:.3f} s for "
-        f"--local just before it; volunteers busy {100 * busy:.0f}% of the time they "
+        f"--local just before it; the coordinator's CPU {cpu:.3f} s a step (all its "
+        f"threads); volunteers busy {100 * busy:.0f}% of the time they "
         f"ran{waits}",
     )
 

@@ -69,6 +69,9 @@ class StepReport:
     lr: float
     grad_norm: float
     seconds: float
+    # The whole process's CPU over the step, every thread (for a coordinator: serving its
+    # volunteers too), so an operator sees what a step costs the host besides its time.
+    cpu_seconds: float = 0.0
     val_loss: float | None = None
 
 
@@ -153,14 +156,22 @@ class Trainer:
         try:
             while step < last:
                 step += 1
-                started = time.perf_counter()
+                started, cpu_started = time.perf_counter(), time.process_time()
                 if hasattr(self.backend, "step"):
                     self.backend.step = step
                 x, y = corpus.batch(t.seed, step, t.batch_size, self.project.model.context)
                 loss, grads = await self.loss_and_grads(params, x, y)
                 lr = learning_rate(step, t.steps, opt)
                 params, state, norm = adamw_step(params, grads, state, lr, opt)
-                report = StepReport(step, t.steps, loss, lr, norm, time.perf_counter() - started)
+                report = StepReport(
+                    step,
+                    t.steps,
+                    loss,
+                    lr,
+                    norm,
+                    time.perf_counter() - started,
+                    time.process_time() - cpu_started,
+                )
                 evaluation = None
                 if step % t.eval_every == 0 or step == t.steps:
                     # On a worker thread, beside the next step: it changes no weight.
@@ -217,6 +228,7 @@ class Trainer:
             "lr": r.lr,
             "grad_norm": r.grad_norm,
             "seconds": round(r.seconds, 4),
+            "cpu_seconds": round(r.cpu_seconds, 4),
             "time": time.time(),
         }
         if r.val_loss is not None:

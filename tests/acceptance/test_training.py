@@ -82,9 +82,11 @@ async def test_a_distributed_run_ends_bitwise_equal_to_the_local_one(tmp_path, t
     for step in (3,):
         name = f"checkpoints/step-{step:06d}.npz"
         assert checkpoint_bits(remote / name) == checkpoint_bits(local / name)
-    losses = [json.loads(x)["loss"] for x in (remote / "train.jsonl").read_text().splitlines()]
+    records = [json.loads(x) for x in (remote / "train.jsonl").read_text().splitlines()]
     reference = [json.loads(x)["loss"] for x in (local / "train.jsonl").read_text().splitlines()]
-    assert losses == reference
+    assert [r["loss"] for r in records] == reference
+    # What each step cost the coordinator's host, for the operator beside its time.
+    assert all(r["cpu_seconds"] > 0 and r["seconds"] > 0 for r in records)
 
 
 async def test_a_coordinator_killed_mid_step_resumes_bitwise_equal(tmp_path, reaper):
