@@ -577,6 +577,12 @@ def status_lines(where: str, s: dict) -> list[str]:
     lines = [f"{where}: step {t.get('step', 0)} of {steps}{loss}{val}"]
     if t.get("done"):
         lines.append("training finished: every step is done")
+    seconds, cpu = t.get("seconds"), t.get("cpu_seconds")
+    if isinstance(seconds, int | float):  # a coordinator's answer: a number or nothing
+        used = (
+            f", {cpu:.3f} s of the training process's CPU" if isinstance(cpu, int | float) else ""
+        )
+        lines.append(f"last step: {seconds:.3f} s{used}")
     if s.get("paused"):
         lines.append(
             "PAUSED by the operator: no new work goes out (tilehive admin resume URL --project DIR)"

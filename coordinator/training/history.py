@@ -32,14 +32,16 @@ def read(path: Path) -> list[dict[str, Any]]:
 
 
 def progress(records: list[dict[str, Any]], steps: int | None) -> dict[str, Any]:
-    """step, steps, loss, val_loss (and val_step), eta_seconds and done, from the records.
-    steps is None when the project's settings cannot be read."""
+    """step, steps, loss, val_loss (and val_step), the last step's seconds and CPU-seconds,
+    eta_seconds and done, from the records. steps is None when the project's settings
+    cannot be read."""
     summary: dict[str, Any] = {"step": 0, "steps": steps}
     if records:
         last = records[-1]
         summary.update(step=last["step"], loss=last["loss"])
-        if "seconds" in last:
-            summary["seconds"] = last["seconds"]
+        for key in ("seconds", "cpu_seconds"):  # cpu_seconds: lines from 2026-11 on
+            if key in last:
+                summary[key] = last[key]
         vals = [r for r in records if r.get("val_loss") is not None]
         if vals:
             summary["val_loss"] = vals[-1]["val_loss"]

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import re
 import shutil
 import subprocess
 import time
@@ -105,6 +106,9 @@ def test_a_finished_project_restarted_shows_its_figures_everywhere(tmp_path, rea
     assert "tilehive_step 2.0" in metrics and "tilehive_loss nan" not in metrics
     said = tilehive("status", url).stdout
     assert "step 2 of 2, loss" in said and "training finished" in said
+    # What the last step took, in time and in the trainer's CPU (here --local's).
+    assert from_url["cpu_seconds"] > 0
+    assert re.search(r"last step: \d+\.\d{3} s, \d+\.\d{3} s of the training process.s CPU", said)
     paused = tilehive("admin", "pause", url, "--project", str(project))
     assert paused.returncode == 0
     for target in (url, str(project)):
