@@ -3,9 +3,11 @@ the loop's other work in between; small work stays on it.
 
 A hop to a worker thread and back costs the loop a hand-off, a wake-up through its self-pipe
 and a fight for the GIL with the thread: a fraction of a millisecond, paid per product and
-per report. Hashing a megabyte, or checking a tile of one with Freivalds, costs 0.1-0.2 ms
-on the reference machine, so work on less than two runs where it is, and the API still
-answers within a millisecond of it.
+per report, and on two shared cores a preempted thread besides. On the reference machine
+hashing a megabyte costs 0.12 ms and checking one with Freivalds 0.05 ms (in cache; more
+from memory), so work on less than four runs where it is, and the API still answers within
+half a millisecond of it. At two, a tiny-gpt step made about 18 hops more and took 4-8%
+longer (docs/performance-history.md, the twenty-sixth round).
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ import numpy as np
 
 T = TypeVar("T")
 
-INLINE_BYTES = 2 << 20  # work on fewer bytes than this runs on the event loop
+INLINE_BYTES = 4 << 20  # work on fewer bytes than this runs on the event loop
 PIECE_BYTES = 1 << 20  # a copy on the loop yields to its other work after each piece
 
 
