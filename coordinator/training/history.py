@@ -39,7 +39,7 @@ def progress(records: list[dict[str, Any]], steps: int | None) -> dict[str, Any]
     if records:
         last = records[-1]
         summary.update(step=last["step"], loss=last["loss"])
-        for key in ("seconds", "cpu_seconds"):  # cpu_seconds: lines from 2026-11 on
+        for key in ("seconds", "cpu_seconds"):  # older lines lack cpu_seconds
             if key in last:
                 summary[key] = last[key]
         vals = [r for r in records if r.get("val_loss") is not None]
