@@ -6,6 +6,7 @@ import contextlib
 import json
 import shutil
 import signal
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -80,6 +81,25 @@ def _busy_share(directory: Path, volunteers: int) -> float | None:
     return compute / uptime if uptime else None
 
 
+def coordinator_share(records: list[dict]) -> float | None:
+    """The coordinator's CPU over a step's time, the median over the steps after the first
+    (which waits for the volunteers to start); None without the figures."""
+    shares = [
+        r["cpu_seconds"] / r["seconds"]
+        for r in records[1:] or records
+        if r.get("seconds") and isinstance(r.get("cpu_seconds"), int | float)
+    ]
+    return statistics.median(shares) if shares else None
+
+
+def pace_line(coordinator: float, volunteers: float | None) -> str:
+    """What the coordinator's share of each step says about who set the pace."""
+    line = f"the coordinator's own CPU came to {100 * coordinator:.0f}% of each step's time"
+    if volunteers is not None and coordinator > volunteers:
+        line += ": its work between products, more than the volunteers', set the pace"
+    return line
+
+
 BUSY_MEANING = (
     "the rest of the time they waited: for the next product of a step (each needs the one "
     "before), for the coordinator's own arithmetic between products, and for the network"
@@ -151,6 +171,9 @@ def run_demo(
             click.echo(f"volunteers were computing {100 * busy:.0f}% of the time they ran;")
             click.echo(f"  {BUSY_MEANING}")
         metrics = history.read(directory / "train.jsonl")
+        share = coordinator_share(metrics)
+        if share is not None:
+            click.echo(pace_line(share, busy))
         click.echo(
             f"loss: {metrics[0]['loss']:.3f} at step {metrics[0]['step']} -> "
             f"{metrics[-1]['loss']:.3f} at step {metrics[-1]['step']}"

@@ -6,6 +6,7 @@ import asyncio
 import contextlib
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -127,6 +128,10 @@ def test_the_demo_trains_and_leaves_no_process_behind(tmp_path):
     )
     assert result.returncode == 0, result.stdout + result.stderr
     assert "loss:" in result.stdout and "validation:" in result.stdout
+    # Who set the pace: the volunteers' share of their time computing, the coordinator's
+    # CPU over each step.
+    assert re.search(r"volunteers were computing \d+% of the time", result.stdout)
+    assert re.search(r"the coordinator's own CPU came to \d+% of each step's time", result.stdout)
     assert (directory / "checkpoints" / "step-000003.npz").exists()
     assert _processes_mentioning(str(directory)) == []
 
