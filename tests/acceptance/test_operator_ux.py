@@ -165,7 +165,8 @@ async def test_admin_quarantine_takes_a_name_and_refuses_an_ambiguous_one(worked
 
 def test_two_volunteers_on_one_machine_get_two_default_names(tmp_path, reaper):
     project = tmp_path / "project"
-    projects.create(project, **{**SMALL, "training.steps": 50, "work.tile": 16})
+    # Steps enough to be still training when the status is read (the reaper stops it).
+    projects.create(project, **{**SMALL, "training.steps": 5000, "work.tile": 16})
     coordinator = reaper(start_coordinator(project, "127.0.0.1:0", tmp_path / "c.log"))
     url = first_url(coordinator)
     for name in ("alpha", "beta"):
