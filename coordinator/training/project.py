@@ -46,8 +46,6 @@ class TrainingSettings:
     # The batch is cut into this many micro-batches whose products are in flight together,
     # so the coordinator's element-wise work on one overlaps the volunteers' on another.
     # Their gradients are summed in a fixed order: --local uses the same setting, same bits.
-    # A new project gets 1 or 2 from its model (default_micro_batches); a project.toml
-    # without the key means 2, as it did before that choice.
     micro_batches: int = 2
 
 
@@ -300,28 +298,8 @@ def render(project: Project) -> str:
     )
 
 
-# Two micro-batches pay when a volunteer's product of one outlasts the coordinator's own work
-# on a product of the other, about a millisecond: when a micro-batch's smallest product (its
-# tokens times width x width) is 100 MFLOP or more, a millisecond on a volunteer of 100
-# GFLOPS. Below that, cutting the batch only doubles the products and what they cost the
-# coordinator. tiny-gpt's is 17 MFLOP: one micro-batch made its step 11% shorter and its
-# volunteer busier (docs/performance-history.md, the twenty-sixth round). The larger
-# project's is 1.1 GFLOP: two made its step 20% shorter than one (the twenty-fifth round).
-OVERLAP_FLOP = 100e6
-
-
-def default_micro_batches(model: ModelSettings, training: TrainingSettings) -> int:
-    """The micro-batches a new project gets: 2 when each one's products are large enough
-    for the coordinator's work on one to hide behind a volunteer's on the other, else 1."""
-    if training.batch_size % 2:
-        return 1
-    tokens = training.batch_size // 2 * model.context
-    return 2 if 2 * tokens * model.width * model.width >= OVERLAP_FLOP else 1
-
-
 def create(directory: Path | str, **overrides: Any) -> Project:
-    """Write a new project.toml with documented defaults (overrides: section.key=value);
-    `training.micro_batches`, unless given, follows the model (default_micro_batches)."""
+    """Write a new project.toml with documented defaults (overrides: section.key=value)."""
     directory = Path(directory)
     path = directory / PROJECT_FILE
     if path.exists():
@@ -331,10 +309,6 @@ def create(directory: Path | str, **overrides: Any) -> Project:
         section, key = dotted.split(".")
         part = dataclasses.replace(getattr(project, section), **{key: value})
         project = dataclasses.replace(project, **{section: part})
-    if "training.micro_batches" not in overrides:
-        parts = default_micro_batches(project.model, project.training)
-        training = dataclasses.replace(project.training, micro_batches=parts)
-        project = dataclasses.replace(project, training=training)
     text = render(project)
     parse(directory, text)  # the same checks as loading it later
     try:
