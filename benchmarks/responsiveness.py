@@ -38,6 +38,9 @@ TILEHIVE = [sys.executable, "-m", "coordinator.cli"]
 ENV = {**os.environ, "PYTHONPATH": str(ROOT)}
 BAR_MS = 20.0
 POLL_EVERY = 0.03  # seconds between status requests
+# Steps trained per model: enough for a few hundred requests while it trains (tiny-gpt's
+# step is under 0.1 s: with 6, most of its 31-36 requests fell in the coordinator's start).
+STEPS = {"tiny-gpt": 150, "larger": 2}
 
 MODELS = {
     "tiny-gpt": {},
@@ -111,7 +114,7 @@ def run(quick: bool = False, models: tuple[str, ...] = tuple(MODELS)) -> list[Ro
     with tempfile.TemporaryDirectory(prefix="tilehive-responsiveness-") as tmp:
         for name in models:
             settings = MODELS[name]
-            steps = 2 if quick or name == "larger" else 6
+            steps = 2 if quick else STEPS[name]
             directory = Path(tmp) / name
             projects.create(
                 directory,
