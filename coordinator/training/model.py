@@ -192,6 +192,14 @@ def join_heads(
     return dqkv
 
 
+async def _cancelled(tasks: list[asyncio.Future]) -> None:
+    """Cancel products left in flight when a step stops (a failed or cancelled product),
+    and wait for them to end, so that none is left running unawaited."""
+    for task in tasks:
+        task.cancel()
+    await asyncio.gather(*tasks, return_exceptions=True)
+
+
 class TinyGPT:
     def __init__(self, settings: ModelSettings, backend: Backend) -> None:
         self.s = settings
@@ -202,12 +210,24 @@ class TinyGPT:
         return add_bias(y, b) if b is not None else y
 
     async def linear_backward(self, x, w, dy, label):
-        """dX = dY @ W^T and dW = X^T @ dY are independent: both are in flight at once."""
-        dx, dw = await asyncio.gather(
-            self.backend.matmul(dy, w, trans_a=False, trans_b=True, label=label + ".dx"),
-            self.backend.matmul(x, dy, trans_a=True, trans_b=False, label=label + ".dw"),
+        """(dX, dW, the bias gradient): dX = dY @ W^T is awaited, dW = X^T @ dY is returned in
+        flight (a task). Nothing on the backward chain needs a weight gradient, and with many
+        hosts a dW, whose tiles each read all of its k = tokens, comes back tens of
+        milliseconds after its dX: the next layer's dX goes out without waiting for it.
+        loss_and_grads collects them once the chain is done."""
+        # Both go out in this turn of the loop, dX first, so that one answer can carry both.
+        dx = asyncio.ensure_future(
+            self.backend.matmul(dy, w, trans_a=False, trans_b=True, label=label + ".dx")
         )
-        return dx, dw, column_sums(dy)
+        dw = asyncio.ensure_future(
+            self.backend.matmul(x, dy, trans_a=True, trans_b=False, label=label + ".dw")
+        )
+        try:
+            dx_value = await dx
+        except BaseException:
+            await _cancelled([dx, dw])
+            raise
+        return dx_value, dw, column_sums(dy)
 
     def attention(self, qkv, batch):
         s, bmm = self.s, self.backend.batched
@@ -295,8 +315,20 @@ class TinyGPT:
     async def loss_and_grads(self, params: Params, tokens, targets) -> tuple[float, Params]:
         logits, (tokens, caches, hf, lnf) = await self.forward(params, tokens)
         loss, dlogits = self.cross_entropy(logits, targets)
+        grads: dict[str, np.ndarray | asyncio.Future] = {}  # weight gradients still in flight
+        try:
+            await self._backward(params, tokens, caches, hf, lnf, dlogits, grads)
+            for name, grad in grads.items():
+                if isinstance(grad, asyncio.Future):
+                    grads[name] = await grad
+        except BaseException:
+            await _cancelled([g for g in grads.values() if isinstance(g, asyncio.Future)])
+            raise
+        return loss, {name: grads[name] for name in params}
+
+    async def _backward(self, params, tokens, caches, hf, lnf, dlogits, grads) -> None:
+        """Every gradient into `grads`; the weights' as tasks still in flight."""
         batch, t = tokens.shape
-        grads: Params = {}
         dhf, grads["head.w"], _ = await self.linear_backward(hf, params["head.w"], dlogits, "head")
         dx, grads["ln_f.g"], grads["ln_f.b"] = layernorm_backward(dhf, lnf)
         for i in reversed(range(self.s.layers)):
@@ -327,4 +359,3 @@ class TinyGPT:
         embed = np.zeros_like(params["embed"])
         np.add.at(embed, tokens.ravel(), dx)
         grads["embed"] = embed
-        return loss, {name: grads[name] for name in params}
