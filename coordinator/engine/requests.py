@@ -66,6 +66,7 @@ class Answer:
     body: bytes
     blobs: dict[str, bytes] = field(default_factory=dict)
     forget: list[str] = field(default_factory=list)  # cached panels of no more use
+    assigned: int = 0  # results given to the host by this answer (a retry's: none new)
 
 
 class WorkRequests:
@@ -243,7 +244,8 @@ class WorkRequests:
         forget = stale_panels(
             request.cached, self.ledger.panel_step, self.ledger.oldest_active_step()
         )
-        return Answer(body, self._inline(assignments, set(request.cached)), forget)
+        inline = self._inline(assignments, set(request.cached))
+        return Answer(body, inline, forget, len(assignments))
 
     def _inline(self, assignments: list[dict], cached: set[str]) -> dict[str, bytes]:
         """Small operand panels the host lacks, sent inside the answer: each fetch saved is a

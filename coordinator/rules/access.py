@@ -51,6 +51,12 @@ class TokenBucket:
             return 0.0
         return (1 - self.tokens) / self.rate
 
+    def give(self, tokens: float) -> None:
+        """Requests earned beside the rate (a burst's worth at most)."""
+        if self.tokens < 0:
+            return  # a bucket never taken from is full
+        self.tokens = min(self.burst, self.tokens + tokens)
+
 
 @dataclass(frozen=True)
 class AccessConfig:
@@ -85,6 +91,19 @@ class Access:
                 f"{len(window)} registrations from {address} in the last hour", retry
             )
         window.append(now)
+
+    def credit(self, host_id: int, results: int) -> None:
+        """The host was given `results` results: it may report each of them beyond its rate
+        (up to a burst's worth of requests in hand).
+
+        A volunteer that computes one micro-batch's tile while the coordinator works on the
+        other reports a tile at a time, hundreds of times a second on a fast link; those
+        requests are the work itself, and only the coordinator decides how much of it a host
+        gets. What a host asks of its own accord (asks, heartbeats, blobs beyond its work)
+        stays within `host_rate`."""
+        bucket = self.buckets.get(host_id)
+        if bucket is not None and results > 0:
+            bucket.give(results)
 
     def check_rate(self, host_id: int, now: float) -> None:
         bucket = self.buckets.get(host_id)

@@ -229,6 +229,7 @@ async def request_work(request: web.Request) -> web.Response:
     co.access.check_rate(host.id, time.monotonic())
     message = protocol.parse_work_request(await read_body(request, co.config.max_request_bytes))
     answer = await co.requests.request_work(host, message, time.time())
+    co.access.credit(host.id, answer.assigned)
     return await answer_response(request, answer)
 
 
@@ -252,6 +253,7 @@ async def report(request: web.Request) -> web.Response:
     co.ledger.commit_soon()
     if work is None:
         return msgpack_response(summary)
+    co.access.credit(host.id, work.assigned)
     return await answer_response(request, work, summary)
 
 

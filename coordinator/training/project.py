@@ -281,7 +281,8 @@ adaptive_replication = {adaptive}  # false: every tile gets its quorum, bitwise 
 
 [access]                    # who may join, how often; the admin token is in admin.token
 invite_code = "{access.invite_code}"          # non-empty: volunteers must register with it
-host_rate = {access.host_rate}           # requests per second one host may make (bursts of 2x)
+host_rate = {access.host_rate}           # requests per second one host may make (bursts of 2x;
+                              # each result it is given earns it one more, to report it)
 registrations_per_hour = {access.registrations_per_hour}   # registrations per client address
 """
 

@@ -12,6 +12,7 @@ import pytest
 
 import kernels
 from coordinator.engine import offload
+from coordinator.engine import requests as work_requests
 from coordinator.engine.products import GemmFailed
 from coordinator.rules.access import AccessConfig
 from coordinator.work.protocol import NotFound
@@ -154,6 +155,31 @@ async def test_the_admin_command_line(tmp_path):
         assert done.returncode == 1 and "404: step 7 has no products" in done.stderr
 
 
+async def test_a_host_may_report_what_it_was_given_beyond_its_rate(tmp_path, rng):
+    """Requests a host makes of its own accord stay within host_rate; each result it is
+    given earns it a request, so a volunteer reporting a tile at a time is never throttled
+    for doing the work it was given."""
+    access = AccessConfig(host_rate=1.0, host_burst=3.0)
+    a, b = operands(rng, 32, 8, 8, False, False)
+    settings = {"tile": 8, "access": access, "policy": Policy.FREIVALDS}
+    async with running(tmp_path, **settings) as (co, queue, url), CoordinatorClient(url) as c:
+        await c.register("pipelined")
+        product = asyncio.create_task(queue.matmul(a, b))
+        await wait_until(lambda: co.ledger.unsent)
+        reply = await c.request_work("ask", capacity=2)  # two tokens left of three
+        assert len(reply["assignments"]) == 2
+        for assignment in reply["assignments"]:  # a request each, both credited
+            panels = [reply["blobs"][assignment[side]] for side in "ab"]  # sent inline
+            _, tile = compute_tile(assignment, *panels, hashed=False)
+            summary = await c.report([{"result_id": assignment["result_id"], "tile": tile}])
+            assert summary["accepted"] == [assignment["result_id"]]
+        await c.request_work("own accord 1", capacity=0)  # the one left beside the credit
+        with pytest.raises(ServerRefused) as refused:
+            await c.request_work("own accord 2", capacity=0)
+        assert refused.value.status == 429
+        product.cancel()
+
+
 async def test_an_invite_code_guards_registration(tmp_path):
     access = AccessConfig(invite_code="open-sesame")
     async with running(tmp_path, access=access) as (_, _, url), CoordinatorClient(url) as c:
@@ -250,12 +276,16 @@ async def test_unparseable_http_is_a_400_and_one_log_line_not_a_traceback(tmp_pa
     assert all("malformed HTTP" in r.getMessage() for r in server)
 
 
-async def test_a_volunteer_over_the_rate_limit_slows_down_and_loses_nothing(tmp_path, rng):
+async def test_a_volunteer_over_the_rate_limit_slows_down_and_loses_nothing(
+    tmp_path, rng, monkeypatch
+):
     """A 429 is 'later', not 'never': the daemon keeps its results and sends them again."""
     from volunteer.daemon import Volunteer, VolunteerConfig
 
-    # Two requests a second: a product of 16 tiles needs more (its panels come inline, so
-    # asking and reporting are most of them), so the daemon is throttled whatever the load.
+    # Two requests a second, and no panel inside an answer: a product of 16 tiles needs its
+    # eight panels fetched. Reports of the results a host was given are credited beyond the
+    # rate (rules/access.py); fetches are not, so the daemon is throttled whatever the load.
+    monkeypatch.setattr(work_requests, "INLINE_BYTES", 0)
     access = AccessConfig(host_rate=2.0, host_burst=2.0)
     settings = {"tile": 8, "access": access, "policy": Policy.FREIVALDS}
     async with running(tmp_path, **settings) as (co, queue, url):
