@@ -164,6 +164,7 @@ class CoordinatorClient:
         in_progress: list[str] | tuple[str, ...] = (),
         gflops: float | None = None,
         wait: bool = True,
+        round_trip: float | None = None,
     ) -> dict[str, Any]:
         message: dict[str, Any] = {
             "request_id": request_id,
@@ -174,6 +175,8 @@ class CoordinatorClient:
         }
         if gflops is not None:
             message["gflops"] = gflops
+        if round_trip is not None:
+            message["round_trip"] = round_trip
         return await self._post("/v1/work", message)
 
     async def fetch_blob(self, blob_id: str, *, max_bytes: int) -> frames.Buffer:

@@ -269,6 +269,10 @@ class PullLoop(CoordinatorSession):
             "gflops": self.gflops,
             "wait": wait_for_work,
         }
+        if (round_trip := self.round_trip()) is not None:
+            # A host far away gets the training loop's next products together, not one
+            # round trip each (coordinator/rules/scheduler.py, waits_for_the_loop).
+            message["round_trip"] = round_trip
         reply = None
         if self.pending:
             answer = await self._flush({"request_id": request_id, **message})

@@ -68,6 +68,7 @@ class GemmOutput:
 # Turns of the loop from a product's future being set to its matmul() running again: the
 # future's callback, then the shield's (Products.matmul).
 HAND_OVER_TURNS = 2
+BETWEEN_WEIGHT = 0.2  # of each new sample in Products.between, a moving average
 
 
 async def hand_over() -> None:
@@ -116,6 +117,11 @@ class Products:
         # tell the passes that new work is out.
         self.judge_late: Callable[[str, float], Awaitable[None]] | None = None
         self.published: Callable[[], None] = lambda: None
+        # Seconds the training loop takes from a product handed over to its next product
+        # published, lately (None: not yet seen): its work between products, which a
+        # volunteer's tile can hide (engine/requests.py, a host far away).
+        self.between: float | None = None
+        self._handed_at: float | None = None
 
     # ---- the training loop's API ---------------------------------------------------------
 
@@ -184,6 +190,7 @@ class Products:
                     created=now,
                 )
                 await self._publish(gemm, a, b)
+                self._sample_between()
             elif gemm.state is GemmState.FAILED:
                 raise GemmFailed(gemm.error)
             elif gemm.state is GemmState.PRUNED:
@@ -431,7 +438,15 @@ class Products:
         # is recomputed from the last checkpoint.
         if not output.done.done():
             output.done.set_result(output.out)
+            self._handed_at = time.monotonic()
             await hand_over()
+
+    def _sample_between(self) -> None:
+        if self._handed_at is None:
+            return
+        sample, self._handed_at = time.monotonic() - self._handed_at, None
+        last = self.between
+        self.between = sample if last is None else last + BETWEEN_WEIGHT * (sample - last)
 
     def end_replicas(self, wu: WorkUnit, message: str, now: float) -> int:
         """Unsent results become didnt_need, those in progress aborted (their hosts are told

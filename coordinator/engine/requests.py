@@ -14,7 +14,12 @@ from dataclasses import dataclass, field
 
 from coordinator.engine.config import CoordinatorConfig
 from coordinator.engine.waiters import Waiters
-from coordinator.rules.scheduler import Scheduler, idle_delay, stale_panels
+from coordinator.rules.scheduler import (
+    Scheduler,
+    idle_delay,
+    stale_panels,
+    waits_for_the_loop,
+)
 from coordinator.state.blobs import BlobStore
 from coordinator.state.ledger import Ledger
 from coordinator.state.store import Reply, Store
@@ -30,6 +35,10 @@ FINISHED_NOTE = "the project is finished: every training step is done"
 # still counts as part of the crowd (engine/crowd.py) and as idle (IdleHosts).
 IDLE_DELAY_CAP = 25.0
 IDLE_WITHIN = 30.0
+# Turns of the loop a far host's woken request lets pass before it is planned: the other
+# micro-batch, handed its product in the same pass (engine/products.py, hand_over), does
+# its element-wise work and publishes its next product in them.
+SETTLE_TURNS = 4
 
 
 class IdleHosts:
@@ -89,6 +98,9 @@ class WorkRequests:
         self.stats = stats
         self.paused = False  # set by the operator: no new work goes out
         self.why_waiting: Callable[[], str | None] = lambda: None  # engine/waiting.py
+        # The training loop's seconds between a product done and its next one published
+        # (Products.between; None: not yet known).
+        self.between_products: Callable[[], float | None] = lambda: None
         self.finished = False  # training is done: every request is told so
         self.told: set[int] = set()  # hosts told that the project is finished
         self.waiters = Waiters()  # long-polling work requests
@@ -183,6 +195,14 @@ class WorkRequests:
                 break
             if self.finished:
                 return self._finished(host, request)
+            if self.waiters.hosts <= 1 and waits_for_the_loop(
+                request.round_trip, self.between_products()
+            ):
+                # Far away, and no other host waiting to take the training loop's next
+                # product: a second round trip would cost more than that product takes to
+                # come, so this answer takes it too.
+                for _ in range(SETTLE_TURNS):
+                    await asyncio.sleep(0)
             now = time.time()
             host = self.ledger.hosts[host.id]
             plan = self.scheduler.plan(host, request, now, others=self.waiters.hosts - 1)

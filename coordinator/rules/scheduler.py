@@ -102,6 +102,21 @@ def idle_delay(idle_hosts: int, waited: float, base: float, asks_per_s: float, c
     return max(base, min(cap, idle_hosts / asks_per_s) - waited)
 
 
+def waits_for_the_loop(round_trip: float | None, between: float | None) -> bool:
+    """Whether a host woken by new work is answered only once the training loop has
+    published what it is about to (True), rather than at once.
+
+    The two micro-batches take turns (engine/products.py, hand_over): answered at once, a
+    host computes one micro-batch's product while the coordinator spends `between` seconds
+    on the other's, but one host serving both then makes a round trip per product instead
+    of one for both. For one host, taking turns costs a link about 2 x max(between, round
+    trip + tile) against 2 x between + round trip + 2 tiles together: it pays while the
+    round trip is under twice `between`. Unknown either way: at once."""
+    if round_trip is None or between is None:
+        return False
+    return round_trip > 2.0 * between
+
+
 def quota(host: Host, flops: float, config: SchedulerConfig) -> int:
     """In-progress results of `flops` each that a host may hold.
 

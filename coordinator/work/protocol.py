@@ -26,6 +26,7 @@ MAX_CACHED = 4096
 MAX_IN_PROGRESS = 1024
 MAX_REPORTS = 64
 MAX_ERROR_TEXT = 1000
+MAX_ROUND_TRIP = 3600.0  # seconds
 
 
 class ProtocolError(Exception):
@@ -259,6 +260,9 @@ class WorkRequest:
     in_progress: tuple[str, ...]
     gflops: float | None
     wait: bool = True  # the host may be kept waiting (long poll) until work appears
+    # The host's shortest recent call, in seconds (None: not said): a host far away is
+    # answered once the training loop has published what it was about to (engine/requests.py).
+    round_trip: float | None = None
 
 
 def parse_work_request(message: dict[str, Any]) -> WorkRequest:
@@ -269,6 +273,7 @@ def parse_work_request(message: dict[str, Any]) -> WorkRequest:
     if not 0 <= capacity <= MAX_CAPACITY:
         raise BadRequest(f"field 'capacity' must be between 0 and {MAX_CAPACITY}, got {capacity}")
     gflops = _number(message, "gflops", 0.0, 1e6, None)
+    round_trip = _number(message, "round_trip", 0.0, MAX_ROUND_TRIP, None)
     return WorkRequest(
         request_id=request_id,
         capacity=capacity,
@@ -276,6 +281,7 @@ def parse_work_request(message: dict[str, Any]) -> WorkRequest:
         in_progress=_ids(message, "in_progress", MAX_IN_PROGRESS, is_result_id, 32),
         gflops=None if gflops is None else float(gflops),
         wait=_get(message, "wait", bool, True),
+        round_trip=None if round_trip is None else float(round_trip),
     )
 
 

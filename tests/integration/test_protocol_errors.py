@@ -61,6 +61,20 @@ async def test_malformed_and_forged_requests_get_clear_4xx(server):
             ("/v1/work", pack({"request_id": "r", "capacity": 10**6}), auth, 400, "between"),
             (
                 "/v1/work",
+                pack({"request_id": "r", "capacity": 1, "round_trip": -0.5}),
+                auth,
+                400,
+                "'round_trip' must be between",
+            ),
+            (
+                "/v1/work",
+                pack({"request_id": "r", "capacity": 1, "round_trip": "far"}),
+                auth,
+                400,
+                "round_trip",
+            ),
+            (
+                "/v1/work",
                 pack({"request_id": "r", "capacity": 1, "cached": ["zz"]}),
                 auth,
                 400,

@@ -604,14 +604,23 @@ async def test_a_blob_store_that_cannot_be_written_is_why_work_waits(engine):
     assert engine.waiting.check(now + 2) and engine.waiting.current is None
 
 
+@pytest.mark.parametrize(
+    ("round_trip", "expected", "order"),
+    [
+        (0.001, 1, ["mb0 resumed", "host answered", "mb1 resumed"]),  # on loopback
+        (0.030, 2, ["mb0 resumed", "mb1 resumed", "host answered"]),  # 30 ms away
+    ],
+)
 async def test_a_waiting_host_gets_the_first_micro_batchs_next_product_before_the_second_runs(
-    tmp_path, rng
+    tmp_path, rng, round_trip, expected, order
 ):
     """Two micro-batches' products reported together, with an ask for more work riding on
     the report (as the volunteer sends them), and validated in one pass: the first one's
     next product answers the ask before the second micro-batch resumes, so the host
     computes it while the coordinator does the second's element-wise work
-    (Products.finish hands each product over), instead of both going out together."""
+    (Products.finish hands each product over), instead of both going out together. A host
+    far away (a round trip over twice the loop's time between products) waits for the
+    second's product too: one round trip for both."""
     config = CoordinatorConfig(
         directory=tmp_path, tile=64, policy=Policy.FREIVALDS, seed=1, long_poll=30
     )
@@ -619,13 +628,14 @@ async def test_a_waiting_host_gets_the_first_micro_batchs_next_product_before_th
     await co.start()
     try:
         host, _ = await co.hosts.register(RegisterRequest("h", 10.0, 1, 512), time.time())
-        order: list[str] = []
+        co.products.between = 0.002  # as measured on tiny-gpt's loop
+        happened: list[str] = []
         w = rng.standard_normal((16, 16)).astype(np.float32)
 
         async def micro_batch(i: int) -> None:
             x = rng.standard_normal((8, 16)).astype(np.float32)
             y = await co.products.matmul(x, w, step=1, label=f"mb{i} first")
-            order.append(f"mb{i} resumed")
+            happened.append(f"mb{i} resumed")
             await co.products.matmul(y, w, step=1, label=f"mb{i} next")
 
         chains = [asyncio.create_task(micro_batch(i)) for i in range(2)]
@@ -640,14 +650,15 @@ async def test_a_waiting_host_gets_the_first_micro_batchs_next_product_before_th
             entries.append(ResultReport(a["result_id"], kernels.blob_id(blob), blob, None, 0.0))
         await co.ledger.flush()  # the answer's promise, committed while the host computed
         # As server/api.py answers a report that asks for work: report, then long-poll.
-        more = WorkRequest("next", 2, (), (), None, True)
+        more = WorkRequest("next", 2, (), (), None, True, round_trip)
         await co.reports.report(host, ReportRequest(tuple(entries), more), time.time())
         # Awaited in this task, as the server's handler does (long_poll bounds the wait).
         answer = await co.requests.request_work(host, more, time.time())
-        order.append("host answered")
-        assert len(msgpack.unpackb(answer.body)["assignments"]) == 1  # the first's next
-        await wait_until(lambda: len(order) == 3)
-        assert order == ["mb0 resumed", "host answered", "mb1 resumed"]
+        happened.append("host answered")
+        assert len(msgpack.unpackb(answer.body)["assignments"]) == expected
+        await wait_until(lambda: len(happened) == 3)
+        assert happened == order
+        assert co.products.between != 0.002  # measured again: mb0's next product came
         for chain in chains:
             chain.cancel()
         await asyncio.gather(*chains, return_exceptions=True)

@@ -17,6 +17,7 @@ from coordinator.rules.scheduler import (
     idle_delay,
     report_deadline,
     stale_panels,
+    waits_for_the_loop,
     wants_tile,
 )
 from coordinator.state.ledger import Ledger
@@ -737,3 +738,17 @@ def test_a_panel_whose_blob_a_checkpoint_deleted_is_named_until_its_step_is_let_
     assert stale_panels(("old", "new"), ledger.panel_step, 5) == ["old"]
     ledger.forget_panel_steps(1)  # one checkpoint later, with the rows of its steps
     assert ledger.panel_step == {"new": 5}
+
+
+@pytest.mark.parametrize(
+    ("round_trip", "between", "waits"),
+    [
+        (0.0009, 0.0014, False),  # loopback: a round trip is shorter than the loop's work
+        (0.030, 0.0014, True),  # a laptop 30 ms away, tiny-gpt's products
+        (0.030, 0.200, False),  # the same laptop, a model whose loop takes 200 ms between
+        (None, 0.0014, False),  # a host that does not say: answered at once, as always
+        (0.030, None, False),  # nothing measured yet
+    ],
+)
+def test_only_a_far_host_waits_for_the_training_loops_next_product(round_trip, between, waits):
+    assert waits_for_the_loop(round_trip, between) is waits
