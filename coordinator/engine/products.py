@@ -78,7 +78,7 @@ async def hand_over() -> None:
     published, and the host long-polling for it answered, before the second's element-wise
     work runs: the volunteer computes while the coordinator works, rather than both
     micro-batches going out together, computed one after the other and reported together
-    (docs/performance.md, "the micro-batches in turn")."""
+    (docs/architecture.md, "The micro-batches take turns")."""
     for _ in range(HAND_OVER_TURNS):
         await asyncio.sleep(0)
 

@@ -111,3 +111,30 @@ async def test_panels_the_coordinator_says_no_product_will_use_are_dropped_unles
         for job in loop.queue:
             job.operands.cancel()
         await asyncio.gather(*(job.operands for job in loop.queue), return_exceptions=True)
+
+
+async def test_asks_say_the_hosts_shortest_recent_call_once_it_has_made_one():
+    """The coordinator answers a far host once the training loop's next product is out too
+    (coordinator/rules/scheduler.py, waits_for_the_loop): it learns the distance from asks."""
+    coordinator = NothingAfterTwoTiles()
+    loop = SlowTiles(
+        coordinator,  # type: ignore[arg-type]
+        name="v",
+        cache=BlobCache(1 << 20),
+        gflops=1e-6,
+        idle=Backoff(base=60.0, cap=60.0),
+    )
+    stop = asyncio.Event()
+    session = asyncio.ensure_future(loop.session(stop))
+    try:
+        deadline = time.monotonic() + 10.0
+        while len(coordinator.asks) < 2 and time.monotonic() < deadline:
+            await asyncio.sleep(0.01)
+    finally:
+        stop.set()
+        loop.cancel()
+        await asyncio.wait_for(session, timeout=10.0)
+    first, second = coordinator.asks[:2]
+    assert "round_trip" not in first  # nothing measured yet
+    assert isinstance(second["round_trip"], float) and 0.0 <= second["round_trip"] < 10.0
+    assert second["round_trip"] >= min(loop.round_trips)  # the shortest so far, then
