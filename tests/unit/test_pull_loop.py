@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -64,11 +65,8 @@ class SlowTiles(PullLoop):
         return output_hash, tile, 0.05
 
 
-async def test_finished_tiles_are_reported_at_once_after_an_answer_without_work():
-    """An ask sent while a tile was still queued is answered with no work (the coordinator
-    has none until that tile comes back). The volunteer must then report the tile and ask
-    again, not rest its idle backoff (a minute here) holding the tile the step waits for."""
-    coordinator = NothingAfterTwoTiles()
+async def run_until(coordinator: NothingAfterTwoTiles, done: Callable[[], bool]) -> SlowTiles:
+    """A volunteer's session against `coordinator` until `done()` (10 s at most), then stopped."""
     loop = SlowTiles(
         coordinator,  # type: ignore[arg-type]
         name="v",
@@ -80,12 +78,21 @@ async def test_finished_tiles_are_reported_at_once_after_an_answer_without_work(
     session = asyncio.ensure_future(loop.session(stop))
     try:
         deadline = time.monotonic() + 10.0
-        while len(coordinator.reported) < 2 and time.monotonic() < deadline:
-            await asyncio.sleep(0.01)
+        while not done() and time.monotonic() < deadline:
+            await asyncio.sleep(0.01)  # polling with a deadline
     finally:
         stop.set()
         loop.cancel()
         await asyncio.wait_for(session, timeout=10.0)
+    return loop
+
+
+async def test_finished_tiles_are_reported_at_once_after_an_answer_without_work():
+    """An ask sent while a tile was still queued is answered with no work (the coordinator
+    has none until that tile comes back). The volunteer must then report the tile and ask
+    again, not rest its idle backoff (a minute here) holding the tile the step waits for."""
+    coordinator = NothingAfterTwoTiles()
+    await run_until(coordinator, lambda: len(coordinator.reported) >= 2)
     assert sorted(coordinator.reported) == ["r0", "r1"]
     assert any(ask["in_progress"] == ["r1"] for ask in coordinator.asks), "never asked ahead"
 
@@ -117,23 +124,7 @@ async def test_asks_say_the_hosts_shortest_recent_call_once_it_has_made_one():
     """The coordinator answers a far host once the training loop's next product is out too
     (coordinator/rules/scheduler.py, waits_for_the_loop): it learns the distance from asks."""
     coordinator = NothingAfterTwoTiles()
-    loop = SlowTiles(
-        coordinator,  # type: ignore[arg-type]
-        name="v",
-        cache=BlobCache(1 << 20),
-        gflops=1e-6,
-        idle=Backoff(base=60.0, cap=60.0),
-    )
-    stop = asyncio.Event()
-    session = asyncio.ensure_future(loop.session(stop))
-    try:
-        deadline = time.monotonic() + 10.0
-        while len(coordinator.asks) < 2 and time.monotonic() < deadline:
-            await asyncio.sleep(0.01)
-    finally:
-        stop.set()
-        loop.cancel()
-        await asyncio.wait_for(session, timeout=10.0)
+    loop = await run_until(coordinator, lambda: len(coordinator.asks) >= 2)
     first, second = coordinator.asks[:2]
     assert "round_trip" not in first  # nothing measured yet
     assert isinstance(second["round_trip"], float) and 0.0 <= second["round_trip"] < 10.0
