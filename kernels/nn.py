@@ -76,19 +76,36 @@ def kernel_name() -> str:
     return "reference" if use_reference() else _nn.kernel_name()
 
 
+# A cap on the default set by the process (limit_threads): the coordinator leaves the cores
+# that volunteers on its machine compute on to them. None: the CPU count alone.
+_cap: int | None = None
+
+
 def default_threads() -> int:
-    """TILEHIVE_MODEL_THREADS when set, else the CPU count (at most MAX_DEFAULT_THREADS)."""
+    """TILEHIVE_MODEL_THREADS when set, else the CPU count (at most MAX_DEFAULT_THREADS, and
+    at most the cap of `limit_threads`)."""
     value = os.environ.get(THREADS_ENV, "").strip()
     if value:
         threads = int(value)
         if threads < 1:
             raise ValueError(f"{THREADS_ENV} must be a positive integer, got {value!r}")
         return threads
-    return max(1, min(MAX_DEFAULT_THREADS, _cpu_count()))
+    threads = max(1, min(MAX_DEFAULT_THREADS, cpu_count()))
+    return threads if _cap is None else min(threads, _cap)
+
+
+def limit_threads(cap: int | None) -> None:
+    """From now on use at most `cap` threads by default in this process (None: no cap).
+    TILEHIVE_MODEL_THREADS, the operator's own word, is never capped. Any thread count gives
+    the same bits, so this may change between two calls."""
+    global _cap
+    if cap is not None and cap < 1:
+        raise ValueError(f"a thread cap must be a positive integer, got {cap!r}")
+    _cap = cap
 
 
 @functools.cache
-def _cpu_count() -> int:
+def cpu_count() -> int:
     # os.cpu_count() reads /sys on every call, and the model asks before every operation.
     return os.cpu_count() or 1
 

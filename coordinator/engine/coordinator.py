@@ -15,6 +15,7 @@ from pathlib import Path
 from coordinator.engine.config import CoordinatorConfig, load_secret
 from coordinator.engine.crowd import CrowdWatch
 from coordinator.engine.hosts import HostRegistry
+from coordinator.engine.neighbours import Neighbours
 from coordinator.engine.operator import Operator
 from coordinator.engine.passes import Passes
 from coordinator.engine.products import GemmFailed, GemmOutput, Products
@@ -30,6 +31,7 @@ from coordinator.state.blobs import BlobStore
 from coordinator.state.ledger import Ledger
 from coordinator.state.store import Store
 from coordinator.work.records import GemmState, WuState
+from kernels import nn
 
 __all__ = ["Coordinator", "CoordinatorConfig", "GemmFailed", "GemmOutput"]
 
@@ -65,6 +67,7 @@ class Coordinator:
         self.progress = Progress(self.ledger, self.stats)
         self.metrics = self.progress.metrics
         self.hosts = HostRegistry(self.ledger, self.access, config.trust)
+        self.neighbours = Neighbours(nn.cpu_count())
         self.requests = WorkRequests(
             config, self.ledger, store, self.scheduler, self.stats, self.blobs
         )
@@ -165,6 +168,7 @@ class Coordinator:
                 # Logged where it failed; the store must still be closed.
                 await task
         self._tasks.clear()
+        self.neighbours.close()
         try:
             await self.ledger.flush()
             await asyncio.to_thread(self.blobs.close)
@@ -180,7 +184,9 @@ class Coordinator:
     async def _watch_waiting(self) -> None:
         while True:
             await asyncio.sleep(WAIT_CHECK_EVERY)
-            if self.waiting.check(time.time()):
+            now = time.time()
+            self.neighbours.update(now)  # a volunteer on this machine gone quiet frees its cores
+            if self.waiting.check(now):
                 await self.ledger.flush()
 
     def finish(self, now: float) -> None:

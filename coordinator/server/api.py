@@ -227,6 +227,7 @@ async def request_work(request: web.Request) -> web.Response:
     co = request.app[COORDINATOR]
     host = co.hosts.authenticate(bearer(request))
     co.access.check_rate(host.id, time.monotonic())
+    co.neighbours.saw(host, request.remote, time.time())
     message = protocol.parse_work_request(await read_body(request, co.config.max_request_bytes))
     answer = await co.requests.request_work(host, message, time.time())
     co.access.credit(host.id, answer.assigned)
@@ -237,6 +238,7 @@ async def report(request: web.Request) -> web.Response:
     co = request.app[COORDINATOR]
     host = co.hosts.authenticate(bearer(request))
     co.access.check_rate(host.id, time.monotonic())
+    co.neighbours.saw(host, request.remote, time.time())
     message = protocol.parse_report(await read_body(request, co.config.max_report_bytes))
     summary = await co.reports.report(host, message, time.time())
     if message.work is None:

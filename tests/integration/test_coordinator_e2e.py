@@ -11,6 +11,7 @@ import kernels
 from coordinator.engine import coordinator as coordinator_module
 from coordinator.engine.passes import COMMIT_WINDOW
 from coordinator.work.records import Outcome, Policy, Redundancy, ServerState
+from kernels import nn
 from tests.factories import TIMEOUT, bits, operands, running, volunteers
 from tests.volunteers import Behaviour, ScriptedVolunteer, wait_until
 from volunteer.client import CoordinatorClient, ServerRefused, compute_tile
@@ -139,6 +140,23 @@ async def test_a_waiting_work_request_gets_work_as_soon_as_it_is_published(tmp_p
         idle = await client.request_work("w2", capacity=0, in_progress=busy)
         assert idle["assignments"] == []  # nothing asked for: answered at once
         product.cancel()
+
+
+async def test_a_volunteer_on_the_coordinators_machine_gets_the_cores_it_computes_on(
+    tmp_path, monkeypatch
+):
+    monkeypatch.delenv(nn.THREADS_ENV, raising=False)
+    monkeypatch.setattr(nn, "cpu_count", lambda: 4)
+    async with (
+        running(tmp_path, tile=16) as (co, _queue, url),
+        CoordinatorClient(url) as client,
+    ):
+        assert nn.default_threads() == 4
+        await client.register("here", threads=3)
+        await client.request_work("w1", capacity=0)  # through loopback, as tilehive demo's
+        assert nn.default_threads() == 1
+        assert co.neighbours.threads == 3
+    assert nn.default_threads() == 4  # a stopped coordinator lifts its cap
 
 
 async def test_replicas_nobody_needs_end_judged_or_dropped_when_their_product_is_done(

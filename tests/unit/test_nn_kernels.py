@@ -322,3 +322,22 @@ def test_heads_are_cut_out_of_qkv_and_put_back_in_place(rng):
                 columns = slice(part * d + j * dh, part * d + (j + 1) * dh)
                 assert np.array_equal(x[b * heads + j], qkv[b * t : (b + 1) * t, columns])
     assert np.array_equal(join_heads(q, k, v, batch, heads), qkv)
+
+
+def test_a_cap_lowers_the_default_thread_count_but_not_the_operators(monkeypatch):
+    monkeypatch.delenv("TILEHIVE_MODEL_THREADS", raising=False)
+    monkeypatch.setattr(nn, "cpu_count", lambda: 6)
+    try:
+        nn.limit_threads(2)
+        assert nn.default_threads() == 2
+        nn.limit_threads(10)  # a cap above the CPUs changes nothing
+        assert nn.default_threads() == 6
+        monkeypatch.setenv("TILEHIVE_MODEL_THREADS", "5")
+        nn.limit_threads(1)
+        assert nn.default_threads() == 5
+        with pytest.raises(ValueError, match="positive"):
+            nn.limit_threads(0)
+    finally:
+        nn.limit_threads(None)
+    monkeypatch.delenv("TILEHIVE_MODEL_THREADS")
+    assert nn.default_threads() == 6

@@ -1,0 +1,101 @@
+"""Volunteers on the coordinator's own machine, and the cores its model kernels leave them.
+
+A host whose requests come from a loopback address computes on the coordinator's machine:
+the volunteers of `tilehive demo`, or a project host lending its own idle cores. Their
+kernel threads and the coordinator's model kernels (the element-wise work and the attention
+of every step) then share the same cores, and a model kernel thread on a core a volunteer
+computes on preempts that volunteer's tile, which the step is waiting for. So while such
+hosts are in contact, the model kernels use the cores they leave free, one at least
+(`kernels.nn.limit_threads`; any thread count gives the same bits). On two cores with one
+volunteer of one thread, tiny-gpt's step took 4% less and the larger project's 2%
+(docs/performance-history.md, the twenty-eighth round).
+
+A volunteer behind a reverse proxy on the coordinator's machine looks local too; an
+operator who sets TILEHIVE_MODEL_THREADS decides the count regardless.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import logging
+
+from coordinator.work.records import Host
+from kernels import nn
+
+log = logging.getLogger(__name__)
+
+NEIGHBOUR_TTL = 30.0  # seconds a neighbour still counts after its last request
+
+
+def is_loopback(address: str | None) -> bool:
+    """Whether a request's peer address is this machine's loopback (IPv4, IPv6, or IPv4
+    mapped into IPv6)."""
+    try:
+        ip = ipaddress.ip_address((address or "").split("%", 1)[0])
+    except ValueError:
+        return False
+    mapped = getattr(ip, "ipv4_mapped", None)
+    return ip.is_loopback or (mapped is not None and mapped.is_loopback)
+
+
+def model_threads(cpus: int, neighbour_threads: int) -> int | None:
+    """The cap on the coordinator's model kernels: the cores its neighbours do not compute
+    on, one at least; None (no cap) when no neighbour computes."""
+    if neighbour_threads <= 0:
+        return None
+    return max(1, cpus - neighbour_threads)
+
+
+class Neighbours:
+    """The hosts in recent contact from this machine, and the model kernels' cap they set."""
+
+    def __init__(self, cpus: int) -> None:
+        self.cpus = cpus
+        self._seen: dict[int, tuple[int, float]] = {}  # host id -> (its threads, last request)
+        self.cap: int | None = None
+
+    @property
+    def threads(self) -> int:
+        """Kernel threads the neighbours in contact compute with."""
+        return sum(threads for threads, _ in self._seen.values())
+
+    def saw(self, host: Host, address: str | None, now: float) -> None:
+        """A request from `host` came from `address`: a new neighbour changes the cap at once."""
+        if not is_loopback(address):
+            return
+        new = host.id not in self._seen
+        self._seen[host.id] = (host.threads, now)
+        if new:
+            self.update(now)
+
+    def update(self, now: float) -> None:
+        """Forget the neighbours silent for NEIGHBOUR_TTL, and cap the model kernels for the
+        rest (said once in the log when the cap changes)."""
+        for host_id, (_, seen) in list(self._seen.items()):
+            if now - seen > NEIGHBOUR_TTL:
+                del self._seen[host_id]
+        cap = model_threads(self.cpus, self.threads)
+        if cap == self.cap:
+            return
+        self.cap = cap
+        nn.limit_threads(cap)
+        if cap is None:
+            log.info(
+                "no volunteer computes on this machine now: the model's kernels use %d thread(s)",
+                nn.default_threads(),
+            )
+        else:
+            log.info(
+                "volunteers on this machine (host %s) compute with %d thread(s) of its %d "
+                "CPUs: the model's kernels use %d thread(s)",
+                ", ".join(str(host_id) for host_id in sorted(self._seen)),
+                self.threads,
+                self.cpus,
+                nn.default_threads(),
+            )
+
+    def close(self) -> None:
+        """Lift the cap: the process may go on without this coordinator (tests, `--local`)."""
+        self._seen.clear()
+        self.cap = None
+        nn.limit_threads(None)
