@@ -17,43 +17,58 @@ FIRST_OVERHEAD = 0.01  # seconds assumed before any tile is measured: a loopback
 
 class CrowdWatch:
     """Learns a tile's cost beyond its arithmetic from the results that come back, as a
-    line: seconds = overhead + seconds_per_byte x bytes, fitted by moving averages (the
-    hosts' own compute seconds are taken out; they only ever inform this estimate)."""
+    line: seconds = overhead + seconds_per_byte x bytes (the hosts' own compute seconds are
+    taken out; they only ever inform this estimate).
+
+    The line goes through each size of tile's mean cost (sizes by powers of two of their
+    bytes), not through the last few tiles. A product's tiles are all of about one size,
+    and their costs vary by tens of milliseconds with the hosts' queues: a line through the
+    last few (moving averages of x, y, xx and xy) tilted flat at times, bytes looked free,
+    and products for 100 emulated laptops went out as one tile of 512, whose megabyte took
+    0.4 s to upload (docs/performance-history.md, the twenty-eighth round)."""
 
     def __init__(self, ledger: Ledger) -> None:
         self.ledger = ledger
-        # Moving averages of bytes (x), extra seconds (y), x*x and x*y.
-        self._x = self._y = self._xx = self._xy = 0.0
-        self._seen_any = False
+        # Per size (the bit length of its bytes): [mean bytes, mean seconds, count, last seen].
+        self._sizes: dict[int, list[float]] = {}
         self._hosts: tuple[float, Crowd] | None = None
 
-    def observe(self, turnaround: float, compute: float, nbytes: int) -> None:
-        """A result came back `turnaround` seconds after it was sent, `compute` of them
-        spent computing (as its host says), its tile having moved `nbytes`."""
+    def observe(self, turnaround: float, compute: float, nbytes: int, now: float = 0.0) -> None:
+        """A result came back at `now`, `turnaround` seconds after it was sent, `compute`
+        of them spent computing (as its host says), its tile having moved `nbytes`."""
         y = min(max(turnaround - compute, 0.0), 60.0)
         x = float(nbytes)
-        if not self._seen_any:
-            self._x, self._y, self._xx, self._xy = x, y, x * x, x * y
-            self._seen_any = True
-            return
-        w = WEIGHT
-        self._x += w * (x - self._x)
-        self._y += w * (y - self._y)
-        self._xx += w * (x * x - self._xx)
-        self._xy += w * (x * y - self._xy)
+        size = self._sizes.setdefault(max(nbytes, 1).bit_length(), [x, y, 0.0, now])
+        # A running mean at first, then a moving average: the count stops at 1 / WEIGHT.
+        size[2] = min(size[2] + 1.0, 1.0 / WEIGHT)
+        size[0] += (x - size[0]) / size[2]
+        size[1] += (y - size[1]) / size[2]
+        size[3] = now
 
-    def cost(self) -> tuple[float, float]:
-        """(overhead seconds, seconds per byte): the line through what was seen; a flat
-        line at the mean while the tiles seen were all of one size."""
-        if not self._seen_any:
+    def cost(self, now: float = 0.0) -> tuple[float, float]:
+        """(overhead seconds, seconds per byte): the line through the sizes' means, each
+        weighted by how often it was seen (up to 1 / WEIGHT times). The sizes seen in the
+        last RECENT seconds decide when there are two of them or more; otherwise every size
+        seen does, the older ones telling the slope that one size alone cannot (a size not
+        cut for a while says what the network was then). A flat line at the mean while one
+        size only was ever seen."""
+        if not self._sizes:
             return FIRST_OVERHEAD, 0.0
-        var = self._xx - self._x * self._x
-        slope = (self._xy - self._x * self._y) / var if var > (0.05 * self._x) ** 2 else 0.0
-        slope = max(slope, 0.0)
-        return max(self._y - slope * self._x, 0.0), slope
+        sizes = [
+            (x, y, count) for x, y, count, seen in self._sizes.values() if now - seen <= RECENT
+        ]
+        if len(sizes) < 2:
+            sizes = [(x, y, count) for x, y, count, _ in self._sizes.values()]
+        total = sum(w for _, _, w in sizes)
+        mean_x = sum(x * w for x, _, w in sizes) / total
+        mean_y = sum(y * w for _, y, w in sizes) / total
+        var = sum(w * (x - mean_x) ** 2 for x, _, w in sizes)
+        cov = sum(w * (x - mean_x) * (y - mean_y) for x, y, w in sizes)
+        slope = max(cov / var, 0.0) if var > 0 else 0.0
+        return max(mean_y - slope * mean_x, 0.0), slope
 
     def crowd(self, now: float) -> Crowd:
-        overhead, per_byte = self.cost()
+        overhead, per_byte = self.cost(now)
         if self._hosts is None or now - self._hosts[0] >= REMEMBER:
             hosts = [
                 h

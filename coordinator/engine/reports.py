@@ -242,7 +242,7 @@ class Reports:
             self.stats["tiles_in"] += 1
             if result.sent_time is not None and not late:
                 moved = sizing.tile_bytes(*wu.shape, upload=has_tile)
-                self.crowd.observe(now - result.sent_time, entry.seconds, moved)
+                self.crowd.observe(now - result.sent_time, entry.seconds, moved, now)
             what = "tile" if has_tile else "hash"
             message = f"{what} {output_hash[:16]} in {entry.seconds:.2f}s"
             state, message = "success", ("late " if late else "") + message

@@ -8,8 +8,9 @@ fast hosts finish a product soonest in a few large tiles; many slow ones, in mor
 tiles that all of them can work on at once.
 
 `choose_tile` estimates a product's time for each candidate tile (the project's tile times
-a power of two, up to one tile for the whole product) and takes the largest tile within
-`SLACK` of the best estimate: fewer tiles cost the coordinator and the wire less.
+a power of two, from a quarter of it up to one tile for the whole product) and takes the
+largest tile within `SLACK` of the best estimate: fewer tiles cost the coordinator and the
+wire less.
 """
 
 from __future__ import annotations
@@ -18,6 +19,10 @@ import math
 from dataclasses import dataclass
 
 SLACK = 1.10  # a larger tile is taken when its estimate is within 10% of the best
+# A crowd may get tiles down to the project's tile halved this many times, never below
+# MIN_TILE: 100 emulated laptops trained tiny-gpt 25% faster in tiles of 64 than of its 128.
+HALVINGS = 1
+MIN_TILE = 16
 
 
 @dataclass(frozen=True, slots=True)
@@ -73,8 +78,10 @@ def choose_tile(
     m: int, n: int, k: int, floor: int, crowd: Crowd, replicas: int, config: SizingConfig
 ) -> int:
     """The tile for an m x n x k product: `floor` (the project's tile) times a power of two,
-    no larger than the product, its blob limit or the crowd's memory allows."""
-    candidates = [floor]
+    from `floor` / 2**HALVINGS (at least MIN_TILE) to no larger than the product, its blob
+    limit or the crowd's memory allows. `floor` itself is always allowed."""
+    candidates = [floor >> i for i in range(HALVINGS, 0, -1) if floor >> i >= MIN_TILE]
+    candidates.append(floor)
     while candidates[-1] < max(m, n):
         candidates.append(candidates[-1] * 2)
 
@@ -84,7 +91,7 @@ def choose_tile(
             return False
         return not crowd.memory_bytes or tile_memory(tm, tn, k) <= crowd.memory_bytes
 
-    usable = [floor] + [t for t in candidates[1:] if fits(t)]
+    usable = [floor] + [t for t in candidates if t != floor and fits(t)]
     times = {t: estimate(m, n, k, t, crowd, replicas, config) for t in usable}
     best = min(times.values())
     return max(t for t, seconds in times.items() if seconds <= best * SLACK)

@@ -263,9 +263,11 @@ weight_decay = {optimizer.weight_decay}
 grad_clip = {optimizer.grad_clip}            # max global gradient norm; 0 turns clipping off
 
 [work]                      # how matrix products become work units
-tile = {work.tile}                # output tile size (rows and columns); under "crowd", the smallest
-sizing = "{work.sizing}"          # crowd: each product's tile is `tile` times a power of two, from
-                              # the hosts' number, speed and round trip; fixed: always `tile`.
+tile = {work.tile}                # output tile size (rows and columns); "crowd" starts from it
+sizing = "{work.sizing}"          # crowd: each product's tile is `tile` times a power of two
+                              # (from half of it to the whole product), from the hosts' number,
+                              # speed and what a tile costs them beyond its arithmetic; fixed:
+                              # always `tile`.
                               # The kernel is tiling-invariant: the bits are the same either way.
 policy = "{work.policy}"          # quorum: bit-identical hashes; freivalds: a keyed check; both
 freivalds_rounds = {work.freivalds_rounds}     # a wrong tile passes with probability <= 2^-rounds

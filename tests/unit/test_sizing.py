@@ -55,6 +55,44 @@ def test_the_crowd_watch_learns_a_fixed_and_a_per_byte_cost():
     assert same.cost() == (0.05, 0.0)
 
 
+def test_a_run_of_one_size_keeps_what_the_other_sizes_told():
+    # Tiles of one size, their costs up and down with the hosts' queues, after a few of
+    # other sizes: the cost a byte stays, so a large tile is not taken for free.
+    watch = CrowdWatch(ledger=None)
+    for nbytes in [80_000, 280_000, 1_600_000, 5_800_000]:
+        watch.observe(0.04 + nbytes * 8e-8, 0.0, nbytes)
+    for i in range(500):
+        nbytes = 80_000 + 1_000 * (i % 7)
+        watch.observe(0.04 + nbytes * 8e-8 + (0.03 if i % 3 else 0.0), 0.0, nbytes)
+    _, per_byte = watch.cost()
+    assert 6e-8 < per_byte < 1e-7
+
+
+def test_a_size_not_seen_lately_no_longer_outweighs_those_seen_since():
+    # Small tiles that once waited in crowded queues (0.3 s) and have not been cut since:
+    # the large tiles seen lately decide the line, the old size only once.
+    watch = CrowdWatch(ledger=None)
+    for _ in range(20):
+        watch.observe(0.3, 0.0, 20_000, now=0.0)
+    for t in range(20):
+        for nbytes in (200_000, 400_000):
+            watch.observe(0.04 + nbytes * 8e-8, 0.0, nbytes, now=100.0 + t)
+    overhead, per_byte = watch.cost(now=120.0)
+    assert per_byte > 3e-8 and overhead < 0.1
+    stale, _ = watch.cost(now=0.0)  # all of them fresh: the old queues weigh as much
+    assert stale > overhead
+
+
+def test_a_hundred_laptops_get_tiles_smaller_than_the_projects():
+    # tiny-gpt's QKV product as the emulated laptops' costs were measured (round trip and
+    # host 40 ms, 0.08 s a MB): 48 tiles of 64 for 100 of them, 128 or more for ten.
+    laptops = {"gflops": 25.0, "overhead": 0.04, "seconds_per_byte": 8e-8}
+    assert choose_tile(512, 384, 128, 128, Crowd(hosts=100, **laptops), 1, CONFIG) == 64
+    assert choose_tile(512, 384, 128, 128, Crowd(hosts=10, **laptops), 1, CONFIG) >= 128
+    # Never below MIN_TILE, whatever the crowd.
+    assert choose_tile(512, 384, 128, 16, Crowd(hosts=10_000, **laptops), 1, CONFIG) >= 16
+
+
 def test_the_crowds_memory_caps_the_tile():
     small = tile_memory(256, 256, 4096)
     crowd = Crowd(hosts=1, gflops=50.0, overhead=0.01, memory_bytes=small)
