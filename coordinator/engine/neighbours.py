@@ -7,8 +7,8 @@ of every step) then share the same cores, and a model kernel thread on a core a 
 computes on preempts that volunteer's tile, which the step is waiting for. So while such
 hosts are in contact, the model kernels use the cores they leave free, one at least
 (`kernels.nn.limit_threads`; any thread count gives the same bits). On two cores with one
-volunteer of one thread, tiny-gpt's step took 4% less and the larger project's 2%
-(docs/performance-history.md, the twenty-eighth round).
+volunteer of one thread, tiny-gpt's step took 4-7% less in five pairs of runs of six; the
+larger project's did not move (docs/performance-history.md, the twenty-eighth round).
 
 A volunteer behind a reverse proxy on the coordinator's machine looks local too; an
 operator who sets TILEHIVE_MODEL_THREADS decides the count regardless.
@@ -86,8 +86,9 @@ class Neighbours:
             )
         else:
             log.info(
-                "volunteers on this machine (host %s) compute with %d thread(s) of its %d "
+                "volunteers on this machine (host%s %s) compute with %d thread(s) of its %d "
                 "CPUs: the model's kernels use %d thread(s)",
+                "s" if len(self._seen) > 1 else "",
                 ", ".join(str(host_id) for host_id in sorted(self._seen)),
                 self.threads,
                 self.cpus,

@@ -8,7 +8,7 @@ fast hosts finish a product soonest in a few large tiles; many slow ones, in mor
 tiles that all of them can work on at once.
 
 `choose_tile` estimates a product's time for each candidate tile (the project's tile times
-a power of two, from a quarter of it up to one tile for the whole product) and takes the
+a power of two, from half of it up to one tile for the whole product) and takes the
 largest tile within `SLACK` of the best estimate: fewer tiles cost the coordinator and the
 wire less.
 """
@@ -20,7 +20,9 @@ from dataclasses import dataclass
 
 SLACK = 1.10  # a larger tile is taken when its estimate is within 10% of the best
 # A crowd may get tiles down to the project's tile halved this many times, never below
-# MIN_TILE: 100 emulated laptops trained tiny-gpt 25% faster in tiles of 64 than of its 128.
+# MIN_TILE: 100 emulated laptops trained tiny-gpt 25% faster in tiles of 64 than of its 128;
+# halved twice, tiles of 32 crowded the hosts' queues and the coordinator (2.9-5.4 s a step
+# against 1.3: docs/performance-history.md, the twenty-eighth round).
 HALVINGS = 1
 MIN_TILE = 16
 
