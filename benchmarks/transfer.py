@@ -8,6 +8,9 @@ app in a child process; this process is the client. Each way is timed the way ai
 it by default (one whole write; the reader joins the chunks) and the way tilehive does it
 (coordinator/server/api.py and volunteer/client.py: written a piece at a time, read into one
 buffer as the chunks arrive), side by side in one run, as the median of ROUNDS transfers.
+In pieces it is also timed through the server's local socket (coordinator/server/local.py),
+as a volunteer on the coordinator's machine sends and receives, beside loopback TCP; the
+client's CPU time of each way is in the note.
 """
 
 from __future__ import annotations
@@ -29,7 +32,7 @@ from aiohttp import web  # noqa: E402
 
 from benchmarks.report import Row  # noqa: E402
 from benchmarks.serve_switched import free_port  # noqa: E402
-from coordinator.server import api  # noqa: E402
+from coordinator.server import api, local  # noqa: E402
 from volunteer import client  # noqa: E402
 
 SIZE = 32 << 20
@@ -58,32 +61,50 @@ async def serve(port: int) -> None:
     runner = web.AppRunner(app)
     await runner.setup()
     await web.TCPSite(runner, "127.0.0.1", port).start()
-    print("ready", flush=True)
+    listener = local.listen(backlog=16)
+    if listener:
+        await local.start(runner, *listener)
+    print("ready", listener[1] if listener else "", flush=True)
     await asyncio.Event().wait()
 
 
-async def measure(url: str, rounds: int) -> dict[str, float]:
-    """Seconds per transfer, median of `rounds`, for each way and direction."""
+async def measure(url: str, name: str, rounds: int) -> dict[str, tuple[float, float]]:
+    """(seconds, client CPU-seconds) per transfer, medians of `rounds`, for each way and
+    direction: whole and in pieces over TCP, in pieces over the local socket `name` (if
+    any)."""
     body = os.urandom(SIZE)
-    times: dict[str, list[float]] = {}
-    async with aiohttp.ClientSession() as session:
+    times: dict[str, list[tuple[float, float]]] = {}
+    ways = [("whole", "tcp"), ("pieces", "tcp")] + ([("pieces", "local")] if name else [])
+
+    def timed(key: str, started: tuple[float, float]) -> None:
+        wall, cpu = time.perf_counter() - started[0], time.process_time() - started[1]
+        times.setdefault(key, []).append((wall, cpu))
+
+    async with (
+        aiohttp.ClientSession() as tcp,
+        aiohttp.ClientSession(connector=client.LocalConnector(name) if name else None) as near,
+    ):
         for _ in range(rounds):
-            for how in ("whole", "pieces"):
-                started = time.perf_counter()
+            for how, over in ways:
+                session = near if over == "local" else tcp
+                started = (time.perf_counter(), time.process_time())
                 async with session.get(f"{url}/{how}") as resp:
                     if how == "pieces":
                         got = await client.read_into(resp.content, resp.content_length)
                     else:
                         got = await resp.read()
                 assert len(got) == SIZE
-                times.setdefault(f"down {how}", []).append(time.perf_counter() - started)
-                started = time.perf_counter()
+                timed(f"down {how} {over}", started)
+                started = (time.perf_counter(), time.process_time())
                 data = client.in_pieces([body]) if how == "pieces" else body
                 headers = {"Content-Length": str(SIZE)}
                 async with session.post(f"{url}/{how}", data=data, headers=headers) as resp:
                     assert await resp.text() == str(SIZE)
-                times.setdefault(f"up {how}", []).append(time.perf_counter() - started)
-    return {key: statistics.median(values) for key, values in times.items()}
+                timed(f"up {how} {over}", started)
+    return {
+        key: (statistics.median(w for w, _ in values), statistics.median(c for _, c in values))
+        for key, values in times.items()
+    }
 
 
 def run(quick: bool = False) -> list[Row]:
@@ -92,25 +113,40 @@ def run(quick: bool = False) -> list[Row]:
         [sys.executable, __file__, "--serve", str(port)], stdout=subprocess.PIPE, text=True
     )
     try:
-        if server.stdout.readline().strip() != "ready":
+        said, _, name = server.stdout.readline().strip().partition(" ")
+        if said != "ready":
             raise RuntimeError("the transfer benchmark's server did not start")
-        figures = asyncio.run(measure(f"http://127.0.0.1:{port}", 3 if quick else ROUNDS))
+        figures = asyncio.run(measure(f"http://127.0.0.1:{port}", name, 3 if quick else ROUNDS))
     finally:
         server.kill()
         server.wait()
     rows = []
     mb = SIZE / (1 << 20)
     ways = (("down", "a blob to a volunteer"), ("up", "a report to the coordinator"))
+    rounds = 3 if quick else ROUNDS
     for direction, what in ways:
-        whole, pieces = figures[f"{direction} whole"], figures[f"{direction} pieces"]
+        whole, _ = figures[f"{direction} whole tcp"]
+        pieces, cpu = figures[f"{direction} pieces tcp"]
         rows.append(
             Row(
                 "transfer",
                 f"{mb:.0f} MB, {what}, loopback: time in pieces / whole",
                 f"{pieces / whole:.2f}x",
                 note=f"{1000 * pieces:.0f} ms ({mb / pieces:.0f} MB/s) in pieces against "
-                f"{1000 * whole:.0f} ms ({mb / whole:.0f} MB/s) whole; median of "
-                f"{3 if quick else ROUNDS}",
+                f"{1000 * whole:.0f} ms ({mb / whole:.0f} MB/s) whole; median of {rounds}",
+            )
+        )
+        if f"{direction} pieces local" not in figures:
+            continue
+        near, near_cpu = figures[f"{direction} pieces local"]
+        rows.append(
+            Row(
+                "transfer",
+                f"{mb:.0f} MB, {what}, in pieces: the local socket / loopback TCP",
+                f"{near / pieces:.2f}x",
+                note=f"{1000 * near:.0f} ms ({mb / near:.0f} MB/s) against {1000 * pieces:.0f} "
+                f"ms; the client's CPU {1000 * near_cpu:.0f} ms against {1000 * cpu:.0f}; "
+                f"median of {rounds}",
             )
         )
     return rows

@@ -4,6 +4,7 @@ from something else that answers there (another web server, TLS on the wrong sid
 from __future__ import annotations
 
 import asyncio
+import ipaddress
 import ssl
 from urllib.parse import urlsplit
 
@@ -32,6 +33,20 @@ def check_url(url: str) -> str:
     if port == 0:
         raise ValueError(f"{url!r} has port 0: {EXAMPLE}")
     return url.rstrip("/")
+
+
+def is_loopback_url(url: str) -> bool:
+    """Whether the URL's host is this machine's loopback (localhost, 127.0.0.0/8, ::1)."""
+    try:
+        host = urlsplit(url).hostname or ""
+    except ValueError:
+        return False
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
 
 
 def answer(status: int, content_type: str, body: bytes | memoryview) -> str:

@@ -3,16 +3,21 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
-from typing import Any
+import logging
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any, TypeVar
 
 import aiohttp
 import msgpack
 import numpy as np
 
 import kernels
-from kernels import frames
-from volunteer.address import not_tilehive
+from kernels import frames, localsocket
+from volunteer.address import is_loopback_url, not_tilehive
+
+log = logging.getLogger(__name__)
+
+T = TypeVar("T")
 
 CONTENT_TYPE = "application/msgpack"
 ACCEPT = f"{frames.CONTENT_TYPE}, {CONTENT_TYPE}"  # framed answers preferred
@@ -40,8 +45,28 @@ class ServerRefused(Exception):
         return self.status >= 500 or self.status in (408, 429)
 
 
+class LocalConnector(aiohttp.UnixConnector):
+    """Connections to a coordinator's local socket (coordinator/server/local.py), each with
+    a send buffer that holds a piece of a body."""
+
+    def __init__(self, name: str) -> None:
+        super().__init__(localsocket.address(name))
+
+    async def _create_connection(self, req, traces, timeout):  # type: ignore[no-untyped-def]
+        # aiohttp names no hook for a connection's socket options: this one is its own.
+        protocol = await super()._create_connection(req, traces, timeout)
+        sock = protocol.transport.get_extra_info("socket") if protocol.transport else None
+        if sock is not None:
+            localsocket.widen(sock)
+        return protocol
+
+
 class CoordinatorClient:
-    """One volunteer's session with one coordinator (register, ask, fetch, report)."""
+    """One volunteer's session with one coordinator (register, ask, fetch, report).
+
+    A coordinator on this machine offers its local socket in its answers; a client with a
+    session of its own then talks to it there, and goes back to TCP for good with that name
+    if the socket cannot be reached (the coordinator restarted and drew a new one)."""
 
     def __init__(
         self,
@@ -59,6 +84,9 @@ class CoordinatorClient:
         # The coordinator answered in frames (kernels/frames.py): it reads them too, and
         # reports go framed, their tiles uncopied. Until then, plain msgpack.
         self.frames = False
+        self.local: str | None = None  # the local socket talked through, if any
+        self._unreachable: set[str] = set()  # local socket names that did not answer
+        self._retired: list[aiohttp.ClientSession] = []  # TCP's, closed with the client
 
     async def __aenter__(self) -> CoordinatorClient:
         return self
@@ -73,9 +101,52 @@ class CoordinatorClient:
         return self._session
 
     async def close(self) -> None:
-        if self._own_session and self._session is not None:
-            await self._session.close()
-            self._session = None
+        if self._own_session:
+            for session in [*self._retired, self._session]:
+                if session is not None:
+                    await session.close()
+            self._session, self._retired = None, []
+
+    def offered_local_socket(self, name: object) -> None:
+        """The coordinator offers its local socket: talk through it if this client may
+        (a session of its own, a coordinator on this machine, a name not failed before)."""
+        if (
+            self.local is not None
+            or not self._own_session
+            or not localsocket.supported()
+            or not localsocket.is_name(name)
+            or name in self._unreachable
+            or not is_loopback_url(self.url)
+        ):
+            return
+        assert isinstance(name, str)
+        # Calls in flight finish on the old session, which closes with the client.
+        if self._session is not None:
+            self._retired.append(self._session)
+        self._session = aiohttp.ClientSession(timeout=self._timeout, connector=LocalConnector(name))
+        self.local = name
+        log.info("the coordinator is on this machine: talking to it through @%s", name)
+
+    def _leave_local(self, exc: BaseException) -> None:
+        """The local socket cannot be reached: back to TCP, and never that name again."""
+        name = self.local
+        assert name is not None and self._session is not None
+        self._unreachable.add(name)
+        self._retired.append(self._session)
+        self._session = aiohttp.ClientSession(timeout=self._timeout)
+        self.local = None
+        log.info("the coordinator's local socket @%s does not answer (%s): back to TCP", name, exc)
+
+    async def _call(self, attempt: Callable[[], Awaitable[T]]) -> T:
+        """`attempt()`; through the local socket, once more over TCP if the socket cannot
+        be reached: the call was not sent, so sending it again is safe."""
+        if self.local is None:
+            return await attempt()
+        try:
+            return await attempt()
+        except aiohttp.ClientConnectorError as exc:
+            self._leave_local(exc)
+        return await attempt()
 
     def _headers(self) -> dict[str, str]:
         headers = {"Content-Type": CONTENT_TYPE, "Accept": ACCEPT}
@@ -84,6 +155,9 @@ class CoordinatorClient:
         return headers
 
     async def _post(self, path: str, message: dict[str, Any]) -> dict[str, Any]:
+        return await self._call(lambda: self._post_once(path, message))
+
+    async def _post_once(self, path: str, message: dict[str, Any]) -> dict[str, Any]:
         headers = self._headers()
         if self.frames:
             parts = frames.pack(message)
@@ -177,10 +251,16 @@ class CoordinatorClient:
             message["gflops"] = gflops
         if round_trip is not None:
             message["round_trip"] = round_trip
-        return await self._post("/v1/work", message)
+        answer = await self._post("/v1/work", message)
+        if "local_socket" in answer:
+            self.offered_local_socket(answer["local_socket"])
+        return answer
 
     async def fetch_blob(self, blob_id: str, *, max_bytes: int) -> frames.Buffer:
         """The blob's bytes, verified against its id (kernels.BlobMismatchError if not)."""
+        return await self._call(lambda: self._fetch_blob_once(blob_id, max_bytes))
+
+    async def _fetch_blob_once(self, blob_id: str, max_bytes: int) -> frames.Buffer:
         too_large = f"blob over {max_bytes} bytes"
         async with self.session.get(
             f"{self.url}/v1/blobs/{blob_id}", headers=self._headers()
@@ -209,11 +289,17 @@ class CoordinatorClient:
         message: dict[str, Any] = {"results": results}
         if work is not None:
             message["work"] = work
-        return await self._post("/v1/results", message)
+        summary = await self._post("/v1/results", message)
+        if "local_socket" in summary:
+            self.offered_local_socket(summary["local_socket"])
+        return summary
 
     async def status(self) -> dict[str, Any]:
-        async with self.session.get(self.url + "/v1/status") as resp:
-            return await resp.json()
+        async def once() -> dict[str, Any]:
+            async with self.session.get(self.url + "/v1/status") as resp:
+                return await resp.json()
+
+        return await self._call(once)
 
 
 async def in_pieces(parts: list[bytes | memoryview]) -> AsyncIterator[memoryview]:

@@ -1,6 +1,7 @@
 """Volunteers on the coordinator's own machine, and the cores its model kernels leave them.
 
-A host whose requests come from a loopback address computes on the coordinator's machine:
+A host whose requests come from a loopback address or over the local socket
+(coordinator/server/local.py) computes on the coordinator's machine:
 the volunteers of `tilehive demo`, or a project host lending its own idle cores. Their
 kernel threads and the coordinator's model kernels (the element-wise work and the attention
 of every step) then share the same cores, and a model kernel thread on a core a volunteer
@@ -59,9 +60,10 @@ class Neighbours:
         """Kernel threads the neighbours in contact compute with."""
         return sum(threads for threads, _ in self._seen.values())
 
-    def saw(self, host: Host, address: str | None, now: float) -> None:
-        """A request from `host` came from `address`: a new neighbour changes the cap at once."""
-        if not is_loopback(address):
+    def saw(self, host: Host, on_this_machine: bool, now: float) -> None:
+        """A request from `host` came (from this machine or not): a new neighbour changes
+        the cap at once."""
+        if not on_this_machine:
             return
         new = host.id not in self._seen
         self._seen[host.id] = (host.threads, now)

@@ -17,8 +17,9 @@ from aiohttp.http_exceptions import HttpProcessingError
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from coordinator.engine.coordinator import Coordinator
+from coordinator.engine.neighbours import is_loopback
 from coordinator.engine.requests import Answer
-from coordinator.server import dashboard
+from coordinator.server import dashboard, local
 from coordinator.work import protocol
 from coordinator.work.protocol import (
     NotFound,
@@ -34,6 +35,7 @@ from kernels import frames, is_blob_id
 log = logging.getLogger(__name__)
 
 COORDINATOR = web.AppKey("coordinator", Coordinator)
+LOCAL_SOCKET = web.AppKey("local_socket", str)  # its name; "" when there is none
 MAX_REGISTER_BYTES = 16 << 10
 # Bodies this large move in pieces: a buffer filled as chunks arrive, a blob written a
 # piece at a time. asyncio copies a large write's unsent rest into fresh memory, and
@@ -68,7 +70,7 @@ def _refused(request: web.Request, status: int, detail: str = "") -> None:
         "%s %s from %s: %d%s",
         loggable(request.method),
         loggable(request.path),
-        loggable(request.remote),
+        loggable(local.peer(request)),
         status,
         f" {loggable(detail)}" if detail else "",
     )
@@ -188,14 +190,29 @@ def wants_frames(request: web.Request) -> bool:
     return frames.CONTENT_TYPE in request.headers.get("Accept", "")
 
 
+def on_this_machine(request: web.Request) -> bool:
+    """Whether the request came from this machine: over the local socket or loopback."""
+    return local.is_local(request) or is_loopback(request.remote)
+
+
+def local_offer(request: web.Request) -> dict:
+    """`local_socket` for an answer to a client on this machine that came over TCP."""
+    name = request.app[LOCAL_SOCKET]
+    if name and not local.is_local(request) and is_loopback(request.remote):
+        return {"local_socket": name}
+    return {}
+
+
 async def answer_response(
-    request: web.Request, answer: Answer, summary: dict | None = None
+    request: web.Request, answer: Answer, summary: dict | None = None, offer: dict | None = None
 ) -> web.StreamResponse:
     """The answer to a work request (alone, or as `work` in a report's `summary`), with the
-    panels riding along in the form the client reads."""
+    panels riding along in the form the client reads, and the fields of `offer`."""
     fields: dict = {"blobs": answer.blobs} if answer.blobs else {}
     if answer.forget:
         fields["forget"] = answer.forget
+    if offer:
+        fields.update(offer)
     trailer = frames.Trailer() if wants_frames(request) else None
     body = frames.extend_map(answer.body, fields, trailer)
     if summary is not None:
@@ -217,9 +234,12 @@ def bearer(request: web.Request) -> str | None:
 async def register(request: web.Request) -> web.Response:
     co = request.app[COORDINATOR]
     message = protocol.parse_register(await read_body(request, MAX_REGISTER_BYTES))
-    host, token = await co.hosts.register(message, time.time(), request.remote or "?")
+    # Registrations are counted by address, this machine's all as one: over loopback or
+    # the local socket alike.
+    address = "this machine" if on_this_machine(request) else request.remote
+    host, token = await co.hosts.register(message, time.time(), address or "?")
     # The name is printable (checked in protocol) and %r quotes it.
-    log.info("registered host %d %r from %s", host.id, host.name, loggable(request.remote))
+    log.info("registered host %d %r from %s", host.id, host.name, loggable(local.peer(request)))
     return msgpack_response({"host_id": host.id, "token": token, "protocol": protocol.VERSION})
 
 
@@ -227,20 +247,21 @@ async def request_work(request: web.Request) -> web.Response:
     co = request.app[COORDINATOR]
     host = co.hosts.authenticate(bearer(request))
     co.access.check_rate(host.id, time.monotonic())
-    co.neighbours.saw(host, request.remote, time.time())
+    co.neighbours.saw(host, on_this_machine(request), time.time())
     message = protocol.parse_work_request(await read_body(request, co.config.max_request_bytes))
     answer = await co.requests.request_work(host, message, time.time())
     co.access.credit(host.id, answer.assigned)
-    return await answer_response(request, answer)
+    return await answer_response(request, answer, offer=local_offer(request))
 
 
 async def report(request: web.Request) -> web.Response:
     co = request.app[COORDINATOR]
     host = co.hosts.authenticate(bearer(request))
     co.access.check_rate(host.id, time.monotonic())
-    co.neighbours.saw(host, request.remote, time.time())
+    co.neighbours.saw(host, on_this_machine(request), time.time())
     message = protocol.parse_report(await read_body(request, co.config.max_report_bytes))
     summary = await co.reports.report(host, message, time.time())
+    summary.update(local_offer(request))
     if message.work is None:
         return msgpack_response(summary)
     # The host has more room: its next work comes back with this answer (long-polled).
@@ -327,14 +348,18 @@ async def admin_cancel_step(request: web.Request) -> web.Response:
     return msgpack_response({"step": step, **counts})
 
 
-def create_app(coordinator: Coordinator, outer: Sequence[Middleware] = ()) -> web.Application:
+def create_app(
+    coordinator: Coordinator, outer: Sequence[Middleware] = (), local_socket: str = ""
+) -> web.Application:
     """The aiohttp application; the coordinator starts and stops with it. `outer`
-    middlewares run first (a benchmark's own timing)."""
+    middlewares run first (a benchmark's own timing); `local_socket` is the name of the
+    local socket it is served on too, offered to volunteers on this machine."""
     app = web.Application(
         client_max_size=coordinator.config.max_report_bytes + (1 << 20),
         middlewares=[*outer, errors, measured],
     )
     app[COORDINATOR] = coordinator
+    app[LOCAL_SOCKET] = local_socket
 
     async def lifetime(app: web.Application):
         try:
@@ -385,28 +410,43 @@ def quiet_malformed_http() -> None:
 
 
 async def serve(
-    coordinator: Coordinator, host: str, port: int, outer: Sequence[Middleware] = ()
+    coordinator: Coordinator,
+    host: str,
+    port: int,
+    outer: Sequence[Middleware] = (),
+    local_socket: bool = True,
 ) -> tuple[web.AppRunner, str]:
-    """Start serving; returns the runner (call `cleanup()` to stop) and the base URL. Raises
-    CannotListen, with the reason in the operator's terms, if it cannot bind."""
+    """Start serving, on a local socket too unless told not to (server/local.py); returns
+    the runner (call `cleanup()` to stop) and the base URL. Raises CannotListen, with the
+    reason in the operator's terms, if it cannot bind."""
     quiet_malformed_http()
     await check_bind(host, port)
+    listener = local.listen(LISTEN_BACKLOG) if local_socket else None
     # aiohttp's keep-alive timer runs from the connection's start and is not reset by
     # partial data: a client trickling its headers is dropped when it fires.
     runner = web.AppRunner(
-        create_app(coordinator, outer),
+        create_app(coordinator, outer, listener[1] if listener else ""),
         access_log=None,
         keepalive_timeout=coordinator.config.header_timeout,
     )
-    await runner.setup()
+    try:
+        await runner.setup()
+    except BaseException:
+        if listener:
+            listener[0].close()
+        raise
     site = web.TCPSite(runner, host, port, backlog=LISTEN_BACKLOG)
     try:
         await site.start()
     except BaseException as exc:
         await runner.cleanup()  # stops the coordinator: nothing may outlive a failed start
+        if listener:
+            listener[0].close()
         if isinstance(exc, OSError):
             raise CannotListen(bind_failure(host, port, exc)) from exc
         raise
+    if listener:
+        await local.start(runner, *listener)
     bound_host, bound_port = runner.addresses[0][:2]
     return runner, base_url(bound_host, bound_port)
 

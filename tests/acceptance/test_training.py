@@ -119,6 +119,14 @@ async def test_a_coordinator_killed_mid_step_resumes_bitwise_equal(tmp_path, rea
     recovered = [line for line in said.splitlines() if "gone;" in line]
     assert sum(" WARNING " in line for line in recovered) == 1, recovered[:5]
     assert len(recovered) > 1
+    # The volunteers talked to each coordinator through its local socket: the killed one's
+    # name reached nothing, so they went back to TCP and took the new one's.
+    names = re.findall(r"through the local socket @(tilehive-\w+)", said)
+    assert len(names) == 2 and names[0] != names[1], names
+    for i in range(2):
+        out = (tmp_path / f"v{i}" / "out").read_text()
+        assert re.findall(r"talking to it through @(tilehive-\w+)", out) == names, out[-2000:]
+        assert f"local socket @{names[0]} does not answer" in out
 
 
 def test_the_demo_trains_and_leaves_no_process_behind(tmp_path):

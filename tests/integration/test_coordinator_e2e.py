@@ -46,8 +46,10 @@ async def test_a_lost_work_reply_is_resent_not_duplicated(tmp_path, rng):
             first = await client.request_work("r1", capacity=2)
             again = await client.request_work("r1", capacity=2)
             # The retried request gets the same answer; the panels that rode along on the
-            # first come only once (the host fetches what it lacks).
-            assert again == {k: v for k, v in first.items() if k != "blobs"}
+            # first come only once (the host fetches what it lacks). The first, over TCP,
+            # offered the local socket, and the client moved to it.
+            assert client.local == first["local_socket"]
+            assert again == {k: v for k, v in first.items() if k not in ("blobs", "local_socket")}
             taken = [x["result_id"] for x in first["assignments"]]
             assert len(taken) == 2
             # The host never saw r1's reply: it asks anew and lists nothing in progress.

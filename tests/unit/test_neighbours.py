@@ -53,12 +53,12 @@ def test_a_volunteer_on_this_machine_caps_the_model_kernels_until_it_goes_quiet(
     neighbours = Neighbours(cpus=4)
     assert nn.default_threads() == 4
     with caplog.at_level(logging.INFO, logger="coordinator.engine.neighbours"):
-        neighbours.saw(host(1, threads=2), "127.0.0.1", now=100.0)
+        neighbours.saw(host(1, threads=2), True, now=100.0)
         assert nn.default_threads() == 2
-        neighbours.saw(host(1, threads=2), "127.0.0.1", now=101.0)  # the same host: no change
-        neighbours.saw(host(2), "203.0.113.9", now=101.0)  # far away: its cores are its own
+        neighbours.saw(host(1, threads=2), True, now=101.0)  # the same host: no change
+        neighbours.saw(host(2), False, now=101.0)  # far away: its cores are its own
         assert nn.default_threads() == 2
-        neighbours.saw(host(3), "::1", now=102.0)
+        neighbours.saw(host(3), True, now=102.0)
         assert nn.default_threads() == 1
         neighbours.update(now=101.0 + NEIGHBOUR_TTL + 0.5)  # host 1 silent, host 3 not yet
         assert nn.default_threads() == 3
@@ -76,7 +76,7 @@ def test_a_volunteer_on_this_machine_caps_the_model_kernels_until_it_goes_quiet(
 
 def test_closing_lifts_the_cap(four_cpus):
     neighbours = Neighbours(cpus=4)
-    neighbours.saw(host(1, threads=4), "127.0.0.1", now=0.0)
+    neighbours.saw(host(1, threads=4), True, now=0.0)
     assert nn.default_threads() == 1
     neighbours.close()
     assert nn.default_threads() == 4
@@ -84,5 +84,5 @@ def test_closing_lifts_the_cap(four_cpus):
 
 def test_the_operators_thread_setting_is_never_capped(four_cpus, monkeypatch):
     monkeypatch.setenv(nn.THREADS_ENV, "3")
-    Neighbours(cpus=4).saw(host(1, threads=4), "127.0.0.1", now=0.0)
+    Neighbours(cpus=4).saw(host(1, threads=4), True, now=0.0)
     assert nn.default_threads() == 3
