@@ -3,6 +3,7 @@ and the send buffer both ends give a connection (coordinator/server/local.py say
 
 from __future__ import annotations
 
+import contextlib
 import re
 import secrets
 import socket
@@ -37,5 +38,6 @@ def address(name: str) -> str:
 
 def widen(connection: socket.socket) -> None:
     """Give a connected Unix socket BUFFER_BYTES of send buffer (as much as the system
-    allows a process, if that is less)."""
-    connection.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, BUFFER_BYTES)
+    allows a process, if that is less; where it refuses, the default only costs speed)."""
+    with contextlib.suppress(OSError):
+        connection.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, BUFFER_BYTES)

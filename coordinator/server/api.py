@@ -414,14 +414,13 @@ async def serve(
     host: str,
     port: int,
     outer: Sequence[Middleware] = (),
-    local_socket: bool = True,
 ) -> tuple[web.AppRunner, str]:
-    """Start serving, on a local socket too unless told not to (server/local.py); returns
-    the runner (call `cleanup()` to stop) and the base URL. Raises CannotListen, with the
-    reason in the operator's terms, if it cannot bind."""
+    """Start serving, on the local socket too where there can be one (server/local.py);
+    returns the runner (call `cleanup()` to stop) and the base URL. Raises CannotListen,
+    with the reason in the operator's terms, if it cannot bind."""
     quiet_malformed_http()
     await check_bind(host, port)
-    listener = local.listen(LISTEN_BACKLOG) if local_socket else None
+    listener = local.listen(LISTEN_BACKLOG)
     # aiohttp's keep-alive timer runs from the connection's start and is not reset by
     # partial data: a client trickling its headers is dropped when it fires.
     runner = web.AppRunner(

@@ -13,7 +13,7 @@ The socket is in Linux's abstract namespace, under a name drawn afresh at every 
   namespace, as the loopback interface does), so it opens nothing TCP did not;
 - no file is left behind by a coordinator killed with SIGKILL, and no path can be too long;
 - a stale name fails to connect, and the volunteer goes back to TCP (volunteer/client.py).
-The coordinator names it in its answers to asks that came over loopback TCP
+The coordinator names it in its answers to requests that came over loopback TCP
 (`local_socket`, docs/protocol.md); a volunteer whose URL is a loopback address moves to it.
 """
 
