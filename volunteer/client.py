@@ -155,7 +155,10 @@ class CoordinatorClient:
         return headers
 
     async def _post(self, path: str, message: dict[str, Any]) -> dict[str, Any]:
-        return await self._call(lambda: self._post_once(path, message))
+        reply = await self._call(lambda: self._post_once(path, message))
+        if "local_socket" in reply:  # answers to asks and reports over loopback TCP
+            self.offered_local_socket(reply["local_socket"])
+        return reply
 
     async def _post_once(self, path: str, message: dict[str, Any]) -> dict[str, Any]:
         headers = self._headers()
@@ -251,10 +254,7 @@ class CoordinatorClient:
             message["gflops"] = gflops
         if round_trip is not None:
             message["round_trip"] = round_trip
-        answer = await self._post("/v1/work", message)
-        if "local_socket" in answer:
-            self.offered_local_socket(answer["local_socket"])
-        return answer
+        return await self._post("/v1/work", message)
 
     async def fetch_blob(self, blob_id: str, *, max_bytes: int) -> frames.Buffer:
         """The blob's bytes, verified against its id (kernels.BlobMismatchError if not)."""
@@ -289,10 +289,7 @@ class CoordinatorClient:
         message: dict[str, Any] = {"results": results}
         if work is not None:
             message["work"] = work
-        summary = await self._post("/v1/results", message)
-        if "local_socket" in summary:
-            self.offered_local_socket(summary["local_socket"])
-        return summary
+        return await self._post("/v1/results", message)
 
     async def status(self) -> dict[str, Any]:
         async def once() -> dict[str, Any]:

@@ -17,6 +17,7 @@ operator who sets TILEHIVE_MODEL_THREADS decides the count regardless.
 
 from __future__ import annotations
 
+import functools
 import ipaddress
 import logging
 
@@ -28,9 +29,10 @@ log = logging.getLogger(__name__)
 NEIGHBOUR_TTL = 30.0  # seconds a neighbour still counts after its last request
 
 
+@functools.lru_cache(maxsize=4096)
 def is_loopback(address: str | None) -> bool:
     """Whether a request's peer address is this machine's loopback (IPv4, IPv6, or IPv4
-    mapped into IPv6)."""
+    mapped into IPv6). Cached: every ask and report asks it, twice (1.8 us a parse)."""
     try:
         ip = ipaddress.ip_address((address or "").split("%", 1)[0])
     except ValueError:
