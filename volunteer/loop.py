@@ -223,20 +223,25 @@ class PullLoop(CoordinatorSession):
             self.backoff.reset()
             self.idle.reset()
             await self._compute_next()
-            if self.asking is not None and not self.asking.done():
+            if self.asking is not None and self.asking.done():
+                # Answered while the tile computed, its assignments already queued: taken
+                # now, so that the tile just finished is reported at once below rather than
+                # waiting in `pending` for the next ask, a whole tile later.
+                await self._answer()
+            if self.asking is not None:
                 if not self.queue and self.pending:
                     # The coordinator may be waiting for this tile before it has more
                     # work: the ask in flight would wait for what this report brings.
                     await self._flush()
             # With the queue empty the next cycle asks for work at once, and the reports
             # ride on that request.
-            elif self.queue and report_due(self.pending, len(self.queue)):
-                if self.asking is None and self._outlasts_round_trips(
-                    [job.assignment for job in self.queue]
-                ):
-                    # Sent while the queue computes, with an ask for more riding on it.
+            elif self.queue and self.pending:
+                if self._outlasts_round_trips([job.assignment for job in self.queue]):
+                    # Sent while the queue computes, with an ask for more riding on it: it
+                    # costs the kernel nothing, and the coordinator may be waiting for this
+                    # very tile before its training loop can go on.
                     self.asking = asyncio.ensure_future(self._ask(self._capacity()))
-                elif self.asking is None:
+                elif report_due(self.pending, len(self.queue)):
                     await self._flush()
         elif reply is not None and not reply["assignments"]:
             if self.pending or self.asked_busy:

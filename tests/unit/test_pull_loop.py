@@ -129,3 +129,61 @@ async def test_asks_say_the_hosts_shortest_recent_call_once_it_has_made_one():
     assert "round_trip" not in first  # nothing measured yet
     assert isinstance(second["round_trip"], float) and 0.0 <= second["round_trip"] < 10.0
     assert second["round_trip"] >= min(loop.round_trips)  # the shortest so far, then
+
+
+class OneThenTwoTiles(NothingAfterTwoTiles):
+    """A coordinator that answers the first ask with one tile, the next (made while that
+    tile computes) with two more, and later ones with nothing, like a step whose products
+    wait for the tiles before them."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.tiles = [self._assignment(f"r{i}", *self.blobs) for i in range(3)]
+
+    async def request_work(self, request_id: str, **message: Any) -> dict[str, Any]:
+        self.asks.append(message)
+        if len(self.asks) == 1:
+            return {"assignments": self.tiles[:1], "blobs": self.blobs}
+        if len(self.asks) == 2:
+            return {"assignments": self.tiles[1:], "blobs": self.blobs}
+        return {"assignments": [], "delay": 0.0}
+
+
+class TimedTiles(SlowTiles):
+    """SlowTiles noting when each tile's kernel ended."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.ended: dict[str, float] = {}
+
+    async def _kernel(self, assignment, a, b):
+        done = await super()._kernel(assignment, a, b)
+        self.ended[assignment["result_id"]] = time.monotonic()
+        return done
+
+
+async def test_a_finished_tile_is_reported_while_the_next_computes():
+    """The answer to an ask made during a tile brought two more. When that tile is done,
+    its report goes out while the next computes (the coordinator's training loop may be
+    waiting for it), not with the ask made during the last queued tile, a tile later."""
+    coordinator = OneThenTwoTiles()
+    loop = TimedTiles(
+        coordinator,  # type: ignore[arg-type]
+        name="v",
+        cache=BlobCache(1 << 20),
+        gflops=1e-6,  # every tile outlasts the round trips
+        idle=Backoff(base=60.0, cap=60.0),
+    )
+    stop = asyncio.Event()
+    session = asyncio.ensure_future(loop.session(stop))
+    try:
+        deadline = time.monotonic() + 10.0
+        while len(coordinator.reported) < 3 and time.monotonic() < deadline:
+            await asyncio.sleep(0.01)  # polling with a deadline
+    finally:
+        stop.set()
+        loop.cancel()
+        await asyncio.wait_for(session, timeout=10.0)
+    assert sorted(coordinator.reported) == ["r0", "r1", "r2"]
+    assert coordinator.reported["r0"] < loop.ended["r1"], "r0 was held back a tile"
+    assert coordinator.reported["r1"] < loop.ended["r2"], "r1 was held back a tile"
