@@ -119,9 +119,12 @@ async def test_a_volunteer_killed_with_sigkill_has_its_work_redone_by_another(
     done = "SELECT COUNT(*) FROM results WHERE host_id = 1 AND outcome = 'success'"
     first = reaper(start_volunteer(url, tmp_path / "first"))
     await wait_until(lambda: committed(project, done)[0][0] >= 20 and committed(project, held))
+    # Stopped first, so that it reports nothing more while we look at what it holds: read
+    # after the kill instead, the look raced its last reports and could find nothing held.
+    first.send_signal(signal.SIGSTOP)
+    lost = {w for (w,) in committed(project, held)}
     first.send_signal(signal.SIGKILL)
     first.wait()
-    lost = {w for (w,) in committed(project, held)}
     assert lost, "the killed volunteer held work"
     second = reaper(start_volunteer(url, tmp_path / "second"))
     try:
