@@ -375,8 +375,19 @@ class PullLoop(CoordinatorSession):
                 continue
             self.tile_flops = 2.0 * assignment["m"] * assignment["n"] * assignment["k"]
             operands = asyncio.create_task(self._operands(assignment))
-            self.queue.append(Job(assignment, now + float(assignment["deadline_in"]), operands))
+            self._enqueue(Job(assignment, now + float(assignment["deadline_in"]), operands))
         self._drop_stale(reply.get("forget"))  # after the queue took this answer's tiles
+
+    def _enqueue(self, job: Job) -> None:
+        """Queue a tile: after those queued, except that one the coordinator's training loop
+        waits on goes before the deferrable ones (weight gradients, which it leaves in
+        flight): computed first, it lets the loop's next product out a tile sooner."""
+        if job.assignment.get("deferrable") is not True:
+            for i, queued in enumerate(self.queue):
+                if queued.assignment.get("deferrable") is True:
+                    self.queue.insert(i, job)
+                    return
+        self.queue.append(job)
 
     def _drop_stale(self, panels: Any) -> None:
         """Drop the cached panels the coordinator says no product will use again, so that

@@ -20,6 +20,7 @@ BOINC's rules and the fixes for what its users complain about:
 
 from __future__ import annotations
 
+import itertools
 import math
 import random
 import statistics
@@ -265,7 +266,12 @@ class Scheduler:
         return wu.gemm_id if wu is not None else None
 
     def _candidates(self, cached: set[str]):
-        """Unsent results: first those using the most cached panels, then oldest first."""
+        """Unsent results: those of products the training loop waits on before those of
+        products it leaves in flight (weight gradients: ledger.deferrable); within each,
+        first those using the most cached panels, then oldest first.
+
+        A weight gradient's input is an activation the host already holds, so by its cache
+        alone it went first, and the next link of the training loop's chain waited for it."""
         ledger = self.ledger
         scores: dict[str, int] = {}
         # A host's cache lists hundreds of panels, the unsent work a few: walk the fewer.
@@ -274,8 +280,21 @@ class Scheduler:
         for panel in shared:
             for result_id in by_panel.get(panel, ()):
                 scores[result_id] = scores.get(result_id, 0) + ledger.panel_bytes.get(panel, 1)
-        yield from sorted(scores, key=lambda r: -scores[r])
-        yield from (r for r in list(ledger.unsent) if r not in scores)
+        ranked = itertools.chain(
+            sorted(scores, key=lambda r: -scores[r]),
+            (r for r in list(ledger.unsent) if r not in scores),
+        )
+        waiting = sum(ledger.unsent_of_gemm.get(g, 0) for g in ledger.deferrable)
+        if not waiting or waiting == len(ledger.unsent):  # one kind only: nothing to sort
+            yield from ranked
+            return
+        deferred = []
+        for result_id in ranked:
+            if self._gemm_of(result_id) in ledger.deferrable:
+                deferred.append(result_id)
+            else:
+                yield result_id
+        yield from deferred
 
     def _try_assign(self, host: Host, result_id: str, now: float, plan: Plan, held: int):
         ledger = self.ledger
