@@ -5,7 +5,9 @@ BOINC's rules and the fixes for what its users complain about:
   except the replacement of a single-replica work unit's timed-out replica (below);
 - a host has an in-progress quota, cut when it returns invalid or no results, and sized in
   seconds of work once it has a long valid record (small tiles cost no round trip each);
-- results whose operand panels the host has cached come first (the bytes saved are counted);
+- results of products the training loop waits on come before those of products it leaves
+  in flight (weight gradients: deferrable); within each, results whose operand panels the
+  host has cached come first (the bytes saved are counted);
 - the host lists what it is working on, so an assignment whose reply was lost is sent again
   and one the coordinator no longer needs is aborted: no ghost tasks;
 - adaptive replication: a host with CV consecutive valid results gets a work unit alone
