@@ -380,14 +380,14 @@ class PullLoop(CoordinatorSession):
 
     def _enqueue(self, job: Job) -> None:
         """Queue a tile: after those queued, except that one the coordinator's training loop
-        waits on goes before the deferrable ones (weight gradients, which it leaves in
-        flight): computed first, it lets the loop's next product out a tile sooner."""
+        waits on goes before the deferrable ones at the queue's end (weight gradients, which
+        it leaves in flight): computed first, it lets the loop's next product out a tile
+        sooner. Only those are looked at: a queue of 64 tiny tiles costs nothing more."""
+        place = len(self.queue)
         if job.assignment.get("deferrable") is not True:
-            for i, queued in enumerate(self.queue):
-                if queued.assignment.get("deferrable") is True:
-                    self.queue.insert(i, job)
-                    return
-        self.queue.append(job)
+            while place and self.queue[place - 1].assignment.get("deferrable") is True:
+                place -= 1
+        self.queue.insert(place, job)
 
     def _drop_stale(self, panels: Any) -> None:
         """Drop the cached panels the coordinator says no product will use again, so that

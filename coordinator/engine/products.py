@@ -389,7 +389,8 @@ class Products:
         self.held[gemm.id] += blobs
 
     def _let_go(self, gemm_id: str) -> None:
-        """A product done, failed or never published lets go of its panels and its place."""
+        """A product done, failed or never published lets go of its panels (and of its
+        place among the deferrable)."""
         self.blobs.release(self.held.pop(gemm_id, ()))
         self.ledger.deferrable.discard(gemm_id)
 
