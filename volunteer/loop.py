@@ -375,19 +375,8 @@ class PullLoop(CoordinatorSession):
                 continue
             self.tile_flops = 2.0 * assignment["m"] * assignment["n"] * assignment["k"]
             operands = asyncio.create_task(self._operands(assignment))
-            self._enqueue(Job(assignment, now + float(assignment["deadline_in"]), operands))
+            self.queue.append(Job(assignment, now + float(assignment["deadline_in"]), operands))
         self._drop_stale(reply.get("forget"))  # after the queue took this answer's tiles
-
-    def _enqueue(self, job: Job) -> None:
-        """Queue a tile: after those queued, except that one the coordinator's training loop
-        waits on goes before the deferrable ones at the queue's end (weight gradients, which
-        it leaves in flight): computed first, it lets the loop's next product out a tile
-        sooner. Only those are looked at: a queue of 64 tiny tiles costs nothing more."""
-        place = len(self.queue)
-        if job.assignment.get("deferrable") is not True:
-            while place and self.queue[place - 1].assignment.get("deferrable") is True:
-                place -= 1
-        self.queue.insert(place, job)
 
     def _drop_stale(self, panels: Any) -> None:
         """Drop the cached panels the coordinator says no product will use again, so that

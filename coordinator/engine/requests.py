@@ -331,8 +331,6 @@ class WorkRequests:
             "hash_needed": not result.upload_tile,
             "deadline_in": max(0.0, (result.report_deadline or now) - now),
             "kernel_version": wu.kernel_version,
-            # The host computes the others it holds first (the training loop waits on them).
-            "deferrable": wu.gemm_id in self.ledger.deferrable,
         }
 
     def _remember(

@@ -120,31 +120,6 @@ async def test_panels_the_coordinator_says_no_product_will_use_are_dropped_unles
         await asyncio.gather(*(job.operands for job in loop.queue), return_exceptions=True)
 
 
-async def test_tiles_the_training_loop_waits_on_are_computed_before_deferrable_ones():
-    """A weight gradient's tiles are deferrable: nothing on the coordinator's training
-    loop waits for them. A tile it does wait on, arriving later, is computed before them;
-    among each kind the order is the coordinator's."""
-    coordinator = NothingAfterTwoTiles()
-    loop = SlowTiles(coordinator, name="v", cache=BlobCache(1 << 20))  # type: ignore[arg-type]
-
-    def tile(result_id: str, deferrable: bool | None) -> dict[str, Any]:
-        assignment = coordinator._assignment(result_id, *coordinator.blobs)
-        if deferrable is not None:  # a coordinator before the field sends none
-            assignment["deferrable"] = deferrable
-        return assignment
-
-    try:
-        loop._take({"assignments": [tile("dw1", True), tile("dw2", True)]})
-        loop._take({"assignments": [tile("dx1", False), tile("old", None)]})
-        loop._take({"assignments": [tile("dw3", True), tile("dx2", False)]})
-        queued = [job.assignment["result_id"] for job in loop.queue]
-        assert queued == ["dx1", "old", "dx2", "dw1", "dw2", "dw3"]
-    finally:
-        for job in loop.queue:
-            job.operands.cancel()
-        await asyncio.gather(*(job.operands for job in loop.queue), return_exceptions=True)
-
-
 async def test_asks_say_the_hosts_shortest_recent_call_once_it_has_made_one():
     """The coordinator answers a far host once the training loop's next product is out too
     (coordinator/rules/scheduler.py, waits_for_the_loop): it learns the distance from asks."""
