@@ -52,7 +52,7 @@ class TimedBackend(LocalBackend):
         super().__init__(threads)
         self.gemm_seconds = 0.0
 
-    async def matmul(self, a, b, *, trans_a: bool, trans_b: bool, label: str, deferrable=False):
+    async def matmul(self, a, b, *, trans_a: bool, trans_b: bool, label: str):
         started = time.perf_counter()
         try:
             return await super().matmul(a, b, trans_a=trans_a, trans_b=trans_b, label=label)

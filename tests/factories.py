@@ -96,7 +96,7 @@ SMALL = {
 class Float64Backend:
     """Exact-enough products for finite differences."""
 
-    async def matmul(self, a, b, *, trans_a, trans_b, label, deferrable=False):
+    async def matmul(self, a, b, *, trans_a, trans_b, label):
         return (a.T if trans_a else a) @ (b.T if trans_b else b)
 
     @staticmethod

@@ -52,9 +52,7 @@ class VolunteerBackend:
         self.loop = loop  # the coordinator's event loop
         self.step = 0
 
-    async def matmul(
-        self, a, b, *, trans_a: bool, trans_b: bool, label: str, deferrable: bool = False
-    ) -> np.ndarray:
+    async def matmul(self, a, b, *, trans_a: bool, trans_b: bool, label: str) -> np.ndarray:
         product = self.products.matmul(
             np.ascontiguousarray(a, dtype=np.float32),
             np.ascontiguousarray(b, dtype=np.float32),
@@ -62,7 +60,6 @@ class VolunteerBackend:
             trans_b=trans_b,
             step=self.step,
             label=label,
-            deferrable=deferrable,
         )
         if asyncio.get_running_loop() is self.loop:
             return await product

@@ -134,11 +134,7 @@ class Products:
         trans_b: bool = False,
         step: int = 0,
         label: str = "",
-        deferrable: bool = False,
     ) -> np.ndarray:
-        """op(a) @ op(b), computed by the volunteers. A `deferrable` product (a weight
-        gradient, which the training loop leaves in flight) goes to them after the products
-        the loop waits on (rules/scheduler.py)."""
         a, b, _ = check_gemm_args(a, b, trans_a, trans_b, None, 1)
         trans_a, trans_b = bool(trans_a), bool(trans_b)
         config = self.config
@@ -174,8 +170,6 @@ class Products:
             done=asyncio.get_running_loop().create_future(),
         )
         self.outputs[gid] = output
-        if deferrable:
-            self.ledger.deferrable.add(gid)
         try:
             gemm = self.ledger.gemms.get(gid) or stored
             now = time.time()
@@ -389,10 +383,7 @@ class Products:
         self.held[gemm.id] += blobs
 
     def _let_go(self, gemm_id: str) -> None:
-        """A product done, failed or never published lets go of its panels (and of its
-        place among the deferrable)."""
         self.blobs.release(self.held.pop(gemm_id, ()))
-        self.ledger.deferrable.discard(gemm_id)
 
     async def assimilate(self, wu: WorkUnit, now: float) -> None:
         """Copy a validated tile into its product's output; finish the product at the last."""

@@ -5,9 +5,7 @@ BOINC's rules and the fixes for what its users complain about:
   except the replacement of a single-replica work unit's timed-out replica (below);
 - a host has an in-progress quota, cut when it returns invalid or no results, and sized in
   seconds of work once it has a long valid record (small tiles cost no round trip each);
-- results of products the training loop waits on come before those of products it leaves
-  in flight (weight gradients: deferrable); within each, results whose operand panels the
-  host has cached come first (the bytes saved are counted);
+- results whose operand panels the host has cached come first (the bytes saved are counted);
 - the host lists what it is working on, so an assignment whose reply was lost is sent again
   and one the coordinator no longer needs is aborted: no ghost tasks;
 - adaptive replication: a host with CV consecutive valid results gets a work unit alone
@@ -22,7 +20,6 @@ BOINC's rules and the fixes for what its users complain about:
 
 from __future__ import annotations
 
-import itertools
 import math
 import random
 import statistics
@@ -268,12 +265,7 @@ class Scheduler:
         return wu.gemm_id if wu is not None else None
 
     def _candidates(self, cached: set[str]):
-        """Unsent results: those of products the training loop waits on before those of
-        products it leaves in flight (weight gradients: ledger.deferrable); within each,
-        first those using the most cached panels, then oldest first.
-
-        A weight gradient's input is an activation the host already holds, so by its cache
-        alone it went first, and the next link of the training loop's chain waited for it."""
+        """Unsent results: first those using the most cached panels, then oldest first."""
         ledger = self.ledger
         scores: dict[str, int] = {}
         # A host's cache lists hundreds of panels, the unsent work a few: walk the fewer.
@@ -282,21 +274,8 @@ class Scheduler:
         for panel in shared:
             for result_id in by_panel.get(panel, ()):
                 scores[result_id] = scores.get(result_id, 0) + ledger.panel_bytes.get(panel, 1)
-        ranked = itertools.chain(
-            sorted(scores, key=lambda r: -scores[r]),
-            (r for r in list(ledger.unsent) if r not in scores),
-        )
-        waiting = sum(ledger.unsent_of_gemm.get(g, 0) for g in ledger.deferrable)
-        if not waiting or waiting == len(ledger.unsent):  # one kind only: nothing to sort
-            yield from ranked
-            return
-        deferred = []
-        for result_id in ranked:
-            if self._gemm_of(result_id) in ledger.deferrable:
-                deferred.append(result_id)
-            else:
-                yield result_id
-        yield from deferred
+        yield from sorted(scores, key=lambda r: -scores[r])
+        yield from (r for r in list(ledger.unsent) if r not in scores)
 
     def _try_assign(self, host: Host, result_id: str, now: float, plan: Plan, held: int):
         ledger = self.ledger

@@ -50,10 +50,6 @@ class Ledger:
         self.unsent: dict[str, None] = {}
         self.unsent_by_panel: dict[str, dict[str, None]] = defaultdict(dict)
         self.unsent_of_gemm: Counter[str] = Counter()
-        # Products in flight that the training loop does not wait on (weight gradients):
-        # their work goes out after the rest (rules/scheduler.py). Not stored: it orders
-        # work, and a restarted coordinator's products say it again when published.
-        self.deferrable: set[str] = set()
         self.panel_bytes: dict[str, int] = {}
         # The newest step whose products use each panel: what tells a host which of the
         # panels it holds no product will use again (rules/scheduler.py stale_panels).

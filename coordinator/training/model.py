@@ -28,18 +28,10 @@ Params = dict[str, np.ndarray]
 
 
 class Backend(Protocol):
-    """Where the products run. A `deferrable` product is one the training loop leaves in
-    flight (a weight gradient): the volunteers take the products it waits on first."""
+    """Where the products run."""
 
     def matmul(
-        self,
-        a: np.ndarray,
-        b: np.ndarray,
-        *,
-        trans_a: bool,
-        trans_b: bool,
-        label: str,
-        deferrable: bool = False,
+        self, a: np.ndarray, b: np.ndarray, *, trans_a: bool, trans_b: bool, label: str
     ) -> Awaitable[np.ndarray]: ...
 
     def batched(
@@ -228,9 +220,7 @@ class TinyGPT:
             self.backend.matmul(dy, w, trans_a=False, trans_b=True, label=label + ".dx")
         )
         dw = asyncio.ensure_future(
-            self.backend.matmul(
-                x, dy, trans_a=True, trans_b=False, label=label + ".dw", deferrable=True
-            )
+            self.backend.matmul(x, dy, trans_a=True, trans_b=False, label=label + ".dw")
         )
         try:
             dx_value = await dx

@@ -49,9 +49,7 @@ class LocalBackend:
     def __init__(self, threads: int = 1) -> None:
         self.threads = threads
 
-    async def matmul(
-        self, a, b, *, trans_a: bool, trans_b: bool, label: str, deferrable: bool = False
-    ) -> np.ndarray:
+    async def matmul(self, a, b, *, trans_a: bool, trans_b: bool, label: str) -> np.ndarray:
         return kernels.gemm(
             np.ascontiguousarray(a),
             np.ascontiguousarray(b),

@@ -24,9 +24,7 @@ class WeightGradientsLast(LocalBackend):
         self.released = asyncio.Event()
         self.order: list[str] = []
 
-    async def matmul(
-        self, a, b, *, trans_a: bool, trans_b: bool, label: str, deferrable: bool = False
-    ) -> np.ndarray:
+    async def matmul(self, a, b, *, trans_a: bool, trans_b: bool, label: str) -> np.ndarray:
         self.order.append(label)
         if label.endswith(".dw"):
             await self.released.wait()
@@ -66,7 +64,7 @@ async def test_a_failed_dx_cancels_the_weight_gradients_in_flight():
     started: list[asyncio.Task] = []
 
     class FailingDx(LocalBackend):
-        async def matmul(self, a, b, *, trans_a: bool, trans_b: bool, label: str, deferrable=False):
+        async def matmul(self, a, b, *, trans_a: bool, trans_b: bool, label: str):
             if label.endswith(".dw"):
                 started.append(asyncio.current_task())
                 await asyncio.Event().wait()  # never back
@@ -83,21 +81,3 @@ async def test_a_failed_dx_cancels_the_weight_gradients_in_flight():
     else:
         raise AssertionError("the failure was lost")
     assert started and all(task.cancelled() for task in started)  # none left running
-
-
-async def test_only_the_weight_gradients_are_deferrable():
-    """The volunteers take the products the training loop waits on first: every forward
-    product and dX is, no weight gradient (rules/scheduler.py)."""
-    marked: dict[str, bool] = {}
-
-    class Recording(LocalBackend):
-        async def matmul(self, a, b, *, trans_a, trans_b, label, deferrable=False):
-            marked[label] = deferrable
-            return await super().matmul(a, b, trans_a=trans_a, trans_b=trans_b, label=label)
-
-    params = init_params(SETTINGS, seed=5)
-    await TinyGPT(SETTINGS, Recording()).loss_and_grads(params, *batch())
-    assert {label for label, deferrable in marked.items() if deferrable} == {
-        label for label in marked if label.endswith(".dw")
-    }
-    assert any(label.endswith(".dw") for label in marked)

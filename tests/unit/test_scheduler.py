@@ -359,39 +359,6 @@ def test_cached_panels_are_preferred_and_the_bytes_saved_counted(
     assert plan.bytes_saved == saved
 
 
-@pytest.mark.parametrize(
-    ("capacity", "expected_wus"),
-    [
-        pytest.param(1, ["wu-3"], id="the waited-on product alone"),
-        pytest.param(3, ["wu-3", "wu-2", "wu-1"], id="then the deferrable, cached first"),
-    ],
-)
-def test_work_the_training_loop_waits_on_goes_before_deferrable_work(capacity, expected_wus):
-    # A weight gradient (older, its activation panel cached) and a layer's dX (newer, its
-    # panels not cached): the dX goes first, whatever the cache says.
-    dw = [make_wu(n, gemm_id="gemm-dw", panels=(f"x{n}", "dy")) for n in (1, 2)]
-    dx = make_wu(3, gemm_id="gemm-dx", panels=("dy", "w"))
-    ledger = make_ledger([*dw, dx], replicas=1)
-    ledger.panel_bytes.update({"x1": 1_000, "x2": 30_000, "dy": 500, "w": 500})
-    ledger.deferrable.add("gemm-dw")
-
-    plan = scheduler(ledger).plan(
-        make_host(1), request(cached=["x1", "x2"], capacity=capacity), NOW
-    )
-
-    assert assigned_wus(plan) == expected_wus
-
-
-def test_without_deferrable_work_the_cache_and_age_order_stand():
-    ledger = make_ledger([make_wu(1), make_wu(2, gemm_id="gemm-2")], replicas=1)
-    ledger.panel_bytes.update(PANEL_BYTES)
-    ledger.deferrable.add("gemm-done")  # a product with no unsent work left
-
-    plan = scheduler(ledger).plan(make_host(1), request(cached=["b2"], capacity=2), NOW)
-
-    assert assigned_wus(plan) == ["wu-2", "wu-1"]
-
-
 # ---- lost replies and aborts ---------------------------------------------------------------
 
 
