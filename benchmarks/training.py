@@ -8,18 +8,19 @@ larger one (4 layers, width 512, 8 heads, context 128, batch 32, tiles of 256), 
 volunteer daemons, `tilehive volunteer start URL --threads 1`) is compared with a `tilehive
 train DIR --local --threads 1` run made just before it. One volunteer cannot form a quorum
 of two hosts, so the runs with it use the Freivalds policy (one replica, checked). Seconds
-per step come from each run's DIR/train.jsonl as the median over steps 2-8 (2-3 with
---quick; step 1 waits for the volunteers to start); the runs with one volunteer, which the
-bars judge, are PAIRS pairs in turn (one with --quick), and their row gives the median pair.
-The volunteers' busy share is their compute seconds over the seconds they ran, from their
-status files; the coordinator's CPU-seconds a step (all its threads) come from its
-train.jsonl like the seconds. Their threads' time waiting for a CPU (runnable, not running:
-Linux's /proc/PID/task/*/schedstat), over their time on one, says how long their kernel sat
-preempted by other threads (the coordinator's, their own network thread) on the two cores
-they share; tiny-gpt's tiles mostly run on the main thread. Every run's last checkpoint must
-be bitwise equal to --local's: the benchmark checks it and says so (and exits 1 if not). The
-daemons run with the default --max-memory, and a row per project gives the highest peak
-resident memory of its volunteers against it.
+per step come from each run's DIR/train.jsonl as the median over steps 2-8 (with --quick,
+2-3 for tiny-gpt and step 2 for the larger project; step 1 waits for the volunteers to
+start); the runs with one volunteer, which the bars judge, are PAIRS pairs in turn (one
+with --quick), and their row gives the median pair. The volunteers' busy share is their
+compute seconds over the seconds they ran, from their status files; the coordinator's
+CPU-seconds a step (all its threads) come from its train.jsonl like the seconds. Their
+threads' time waiting for a CPU (runnable, not running: Linux's /proc/PID/task/*/schedstat),
+over their time on one, says how long their kernel sat preempted by other threads (the
+coordinator's, their own network thread) on the two cores they share; tiny-gpt's tiles
+mostly run on the main thread. Every run's last checkpoint must be bitwise equal to
+--local's: the benchmark checks it and says so (and exits 1 if not). The daemons run with
+the default --max-memory, and a row per project gives the highest peak resident memory of
+its volunteers against it.
 """
 
 from __future__ import annotations
