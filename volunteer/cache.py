@@ -12,12 +12,21 @@ from kernels.frames import Buffer
 
 
 class BlobCache:
-    """Blob bytes by id, bounded in bytes; counts hits and misses for the status line."""
+    """Blob bytes by id, bounded in bytes; counts hits and misses for the status line.
+
+    A queued tile pins its two operands from when it starts to fetch them until it is
+    computed: a pinned blob is not evicted, and its size (reserved when pinned, before it
+    has arrived) counts against the bound. So everything the queue holds is counted once,
+    here: without pins, a queued tile's operands that the cache let go stayed in memory
+    that nothing counted (docs/volunteer.md, "Memory")."""
 
     def __init__(self, max_bytes: int) -> None:
         self.max_bytes = max_bytes
         self._blobs: OrderedDict[str, Buffer] = OrderedDict()
-        self.bytes = 0
+        self.bytes = 0  # of the blobs cached
+        self._pins: dict[str, list[int]] = {}  # blob id: [pins, bytes reserved]
+        self.pinned_bytes = 0  # reserved by pinned blobs, cached or still on their way
+        self._loose_bytes = 0  # of the cached blobs not pinned: what eviction may free
         self.hits = 0
         self.misses = 0
 
@@ -40,21 +49,72 @@ class BlobCache:
             self.misses += 1
 
     def put(self, blob_id: str, data: Buffer) -> None:
-        """Keep a blob (already verified by the caller); too large a blob is not kept."""
+        """Keep a blob (already verified by the caller); too large a blob is not kept, nor
+        one that only pinned blobs leave no room for."""
         size = self._size(data)
         if blob_id in self._blobs or size > self.max_bytes:
             return
         self._blobs[blob_id] = data
         self.bytes += size
-        while self.bytes > self.max_bytes:
-            _, evicted = self._blobs.popitem(last=False)
-            self.bytes -= self._size(evicted)
+        if blob_id not in self._pins:
+            self._loose_bytes += size
+        self._evict()
 
     def drop(self, blob_id: str) -> None:
-        """Let a blob go before its turn (the coordinator says no product will use it)."""
+        """Let a blob go before its turn (the coordinator says no product will use it); a
+        pinned one stays."""
+        if blob_id in self._pins:
+            return
         data = self._blobs.pop(blob_id, None)
         if data is not None:
             self.bytes -= self._size(data)
+            self._loose_bytes -= self._size(data)
+
+    def fits(self, sizes: dict[str, int]) -> bool:
+        """Whether blobs of these sizes could all be pinned beside those pinned already."""
+        new = sum(size for blob_id, size in sizes.items() if blob_id not in self._pins)
+        return self.pinned_bytes + new <= self.max_bytes
+
+    def pin(self, blob_id: str, size: int) -> None:
+        """Keep `blob_id` (of `size` bytes, cached or about to be) until unpinned as often."""
+        pin = self._pins.get(blob_id)
+        if pin is not None:
+            pin[0] += 1
+            return
+        self._pins[blob_id] = [1, size]
+        self.pinned_bytes += size
+        if blob_id in self._blobs:
+            self._loose_bytes -= self._size(self._blobs[blob_id])
+        self._evict()
+
+    def unpin(self, blob_id: str) -> None:
+        pin = self._pins.get(blob_id)
+        if pin is None:
+            return
+        pin[0] -= 1
+        if pin[0]:
+            return
+        del self._pins[blob_id]
+        self.pinned_bytes -= pin[1]
+        if blob_id in self._blobs:
+            self._loose_bytes += self._size(self._blobs[blob_id])
+        self._evict()
+
+    def _evict(self) -> None:
+        """The least recently used blobs not pinned out, until the loose ones and the
+        reservations fit the bound."""
+        excess = self._loose_bytes + self.pinned_bytes - self.max_bytes
+        out = []
+        for blob_id, data in self._blobs.items():
+            if excess <= 0:
+                break
+            if blob_id not in self._pins:
+                out.append(blob_id)
+                excess -= self._size(data)
+        for blob_id in out:
+            size = self._size(self._blobs.pop(blob_id))
+            self.bytes -= size
+            self._loose_bytes -= size
 
     def _size(self, value: Buffer) -> int:
         """The bytes a kept value counts for (a model of a cache may keep less)."""

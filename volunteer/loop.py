@@ -56,6 +56,9 @@ class OperandCache(Protocol):
     def put(self, blob_id: str, data: bytes) -> None: ...
     def drop(self, blob_id: str) -> None: ...
     def ids(self) -> list[str]: ...
+    def fits(self, sizes: dict[str, int]) -> bool: ...
+    def pin(self, blob_id: str, size: int) -> None: ...
+    def unpin(self, blob_id: str) -> None: ...
 
 
 @dataclass
@@ -84,11 +87,14 @@ class Stats:
 
 @dataclass
 class Job:
-    """An assignment and the task prefetching its operands."""
+    """An assignment and the task fetching its operands: started while the tile is queued
+    when they fit the cache beside those of the tiles before it (pinned there until the
+    tile is computed), else when its turn comes."""
 
     assignment: dict[str, Any]
     deadline: float
-    operands: asyncio.Future
+    operands: asyncio.Future | None = None
+    pinned: tuple[str, ...] = ()
 
 
 class PullLoop(CoordinatorSession):
@@ -132,6 +138,8 @@ class PullLoop(CoordinatorSession):
         self.pending: list[dict[str, Any]] = []  # reports not yet sent
         self.sending: list[dict[str, Any]] = []  # reports on their way
         self.computing: str | None = None
+        # The tile whose turn has come, while its operands arrive: in progress all the same.
+        self.fetching: str | None = None
         self.aborted: set[str] = set()  # told to drop while computing: not reported
         self.downloads = Downloads()
         self.short = False  # the last work request brought fewer tiles than it asked for
@@ -353,15 +361,15 @@ class PullLoop(CoordinatorSession):
 
     def _in_progress(self) -> list[str]:
         ids = [job.assignment["result_id"] for job in self.queue]
-        if self.computing:
-            ids.append(self.computing)
+        ids += [result_id for result_id in (self.fetching, self.computing) if result_id]
         return ids + [r["result_id"] for r in (*self.sending, *self.pending)]
 
     def _take(self, reply: dict[str, Any]) -> None:
         for result_id in reply.get("abort", []):
             self._abort(result_id)
         now = time.monotonic()
-        known = {job.assignment["result_id"] for job in self.queue} | {self.computing}
+        known = {job.assignment["result_id"] for job in self.queue}
+        known |= {self.fetching, self.computing}
         for assignment in reply.get("assignments", []):
             if assignment["result_id"] in known:
                 continue
@@ -374,9 +382,30 @@ class PullLoop(CoordinatorSession):
                 self.pending.append({"result_id": assignment["result_id"], "error": refusal})
                 continue
             self.tile_flops = 2.0 * assignment["m"] * assignment["n"] * assignment["k"]
-            operands = asyncio.create_task(self._operands(assignment))
-            self.queue.append(Job(assignment, now + float(assignment["deadline_in"]), operands))
+            self.queue.append(Job(assignment, now + float(assignment["deadline_in"])))
+        self._prefetch()
         self._drop_stale(reply.get("forget"))  # after the queue took this answer's tiles
+
+    def _prefetch(self) -> None:
+        """Start fetching the operands of queued tiles, in queue order, while they fit the
+        cache beside those already pinned there. An operand of unknown size waits for its
+        tile's turn, when the work half of the budget counts it (policy.memory_refusal)."""
+        for job in self.queue:
+            if job.operands is not None:
+                continue
+            sizes = {job.assignment[side]: job.assignment[f"{side}_bytes"] for side in "ab"}
+            if not all(sizes.values()) or not self.cache.fits(sizes):
+                return
+            for blob_id, size in sizes.items():
+                self.cache.pin(blob_id, size)
+            job.pinned = tuple(sizes)
+            job.operands = asyncio.create_task(self._operands(job.assignment))
+
+    def _unpin(self, job: Job) -> None:
+        """A job leaves the queue: its operands no longer count against the cache."""
+        for blob_id in job.pinned:
+            self.cache.unpin(blob_id)
+        job.pinned = ()
 
     def _drop_stale(self, panels: Any) -> None:
         """Drop the cached panels the coordinator says no product will use again, so that
@@ -393,11 +422,13 @@ class PullLoop(CoordinatorSession):
     def _abort(self, result_id: str) -> None:
         for job in list(self.queue):
             if job.assignment["result_id"] == result_id:
-                job.operands.cancel()
+                if job.operands is not None:
+                    job.operands.cancel()
+                self._unpin(job)
                 self.queue.remove(job)
                 self.stats.aborted += 1
                 self.log.info("dropped %s: the coordinator no longer needs it", result_id)
-        if self.computing == result_id:
+        if result_id in (self.fetching, self.computing):
             self.aborted.add(result_id)
         self.pending = [r for r in self.pending if r["result_id"] != result_id]
 
@@ -446,8 +477,17 @@ class PullLoop(CoordinatorSession):
         job = self.queue.popleft()
         assignment = job.assignment
         result_id = assignment["result_id"]
+        # Its operands count in the work half of the budget from now on, not in the cache.
+        self._unpin(job)
+        if job.operands is None:
+            job.operands = asyncio.create_task(self._operands(assignment))
+        self._prefetch()
+        self.fetching = result_id
         try:
             a, b = await job.operands
+        except asyncio.CancelledError:
+            self.queue.appendleft(job)  # the session is ending: given back with the queue
+            raise
         except kernels.BlobMismatchError as exc:
             self._failed("blob", exc)
             self.log.error("refusing %s: operand blob is corrupt: %s", result_id, exc)
@@ -469,6 +509,11 @@ class PullLoop(CoordinatorSession):
         except NETWORK:
             self._retry(job)
             raise
+        finally:
+            self.fetching = None
+        if result_id in self.aborted:
+            self.aborted.discard(result_id)
+            return
         if time.monotonic() > job.deadline:
             self.stats.skipped += 1
             self.log.info("skipped %s: its deadline passed before we got to it", result_id)
@@ -501,7 +546,7 @@ class PullLoop(CoordinatorSession):
     def _retry(self, job: Job) -> None:
         """Busy or cut off, not wrong: keep the assignment and fetch again after the backoff."""
         retry = asyncio.create_task(self._operands(job.assignment))
-        self.queue.appendleft(Job(job.assignment, job.deadline, retry))
+        self.queue.appendleft(Job(job.assignment, job.deadline, retry))  # next: not pinned
 
     def report_of(
         self, assignment: dict[str, Any], output_hash: str | None, tile: bytes, seconds: float
@@ -594,7 +639,9 @@ class PullLoop(CoordinatorSession):
         """Stop the downloads of queued work and the work request in flight (a loop
         dropped without leaving)."""
         for job in self.queue:
-            job.operands.cancel()
+            if job.operands is not None:
+                job.operands.cancel()
+            self._unpin(job)
         if self.asking is not None:
             self.asking.cancel()
 

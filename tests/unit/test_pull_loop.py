@@ -115,9 +115,9 @@ async def test_panels_the_coordinator_says_no_product_will_use_are_dropped_unles
         loop._take({"assignments": [], "forget": "not a list"})
         assert sorted(loop.cache.ids()) == sorted([kept, queued])
     finally:
-        for job in loop.queue:
-            job.operands.cancel()
-        await asyncio.gather(*(job.operands for job in loop.queue), return_exceptions=True)
+        fetching = [job.operands for job in loop.queue if job.operands is not None]
+        loop.cancel()
+        await asyncio.gather(*fetching, return_exceptions=True)
 
 
 async def test_asks_say_the_hosts_shortest_recent_call_once_it_has_made_one():
@@ -187,3 +187,128 @@ async def test_a_finished_tile_is_reported_while_the_next_computes():
     assert sorted(coordinator.reported) == ["r0", "r1", "r2"]
     assert coordinator.reported["r0"] < loop.ended["r1"], "r0 was held back a tile"
     assert coordinator.reported["r1"] < loop.ended["r2"], "r1 was held back a tile"
+
+
+class PanelsOfTheirOwn:
+    """A coordinator whose first answer is six tiles, each with operand panels of its own
+    (about 100 KB each, announced in the assignment), and every later one nothing."""
+
+    url = "http://coordinator.invalid"
+    token = "token"
+    SIDE = 160  # a 160 x 160 float32 panel: 102 KB
+
+    def __init__(self) -> None:
+        rng = np.random.default_rng(1)
+        self.blobs: dict[str, bytes] = {}
+        self.tiles = []
+        for i in range(6):
+            ids = []
+            for _ in "ab":
+                blob = kernels.encode_array(rng.standard_normal((self.SIDE, self.SIDE), np.float32))
+                ids.append(kernels.blob_id(blob))
+                self.blobs[ids[-1]] = blob
+            tile = NothingAfterTwoTiles._assignment(f"r{i}", *ids)
+            side = self.SIDE
+            tile.update(m=side, n=side, k=side, a_bytes=len(blob), b_bytes=len(blob))
+            self.tiles.append(tile)
+        self.asks = 0
+        self.reported: dict[str, float] = {}
+
+    async def request_work(self, request_id: str, **message: Any) -> dict[str, Any]:
+        self.asks += 1
+        if self.asks == 1:
+            return {"assignments": self.tiles}
+        return {"assignments": [], "delay": 0.0}
+
+    async def fetch_blob(self, blob_id: str, max_bytes: int) -> bytes:
+        assert len(self.blobs[blob_id]) <= max_bytes
+        await asyncio.sleep(0)  # a download takes a turn of the loop at least
+        return self.blobs[blob_id]
+
+    report = NothingAfterTwoTiles.report
+
+
+class HeldBytes(SlowTiles):
+    """Notes, as each tile starts, the operand bytes the loop holds beside that tile's own:
+    the cache's, and those of queued tiles' fetched operands that the cache let go."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.held: list[int] = []
+
+    async def _kernel(self, assignment, a, b):
+        cached = set(self.cache.ids())
+        let_go: dict[str, int] = {}
+        for job in self.queue:
+            if job.operands is not None and job.operands.done() and not job.operands.cancelled():
+                for blob_id, data in zip(
+                    (job.assignment["a"], job.assignment["b"]), job.operands.result(), strict=True
+                ):
+                    if blob_id not in cached:
+                        let_go[blob_id] = len(data)
+        self.held.append(self.cache.bytes + sum(let_go.values()))
+        return await super()._kernel(assignment, a, b)
+
+
+async def test_the_operands_of_queued_tiles_count_against_the_cache():
+    """Six queued tiles, each with two panels of its own, hold 1.2 MB of operands; the
+    cache may hold 400 KB. The volunteer fetches a queued tile's operands ahead only while
+    they fit the cache beside those fetched for the tiles before it, and keeps them there
+    until the tile computes: the bytes it holds for its queue stay within the cache's
+    bound (before, every queued tile fetched at once, and what the cache let go stayed in
+    memory uncounted), and every tile is still computed and reported."""
+    coordinator = PanelsOfTheirOwn()
+    cache = BlobCache(400_000)
+    loop = HeldBytes(
+        coordinator,  # type: ignore[arg-type]
+        name="v",
+        cache=cache,
+        gflops=1e-6,
+        idle=Backoff(base=60.0, cap=60.0),
+    )
+    stop = asyncio.Event()
+    session = asyncio.ensure_future(loop.session(stop))
+    try:
+        deadline = time.monotonic() + 10.0
+        while len(coordinator.reported) < 6 and time.monotonic() < deadline:
+            await asyncio.sleep(0.01)  # polling with a deadline
+    finally:
+        stop.set()
+        loop.cancel()
+        await asyncio.wait_for(session, timeout=10.0)
+    assert sorted(coordinator.reported) == [f"r{i}" for i in range(6)]
+    assert len(loop.held) == 6
+    assert max(loop.held) <= cache.max_bytes, loop.held
+    assert cache.pinned_bytes == 0  # every pin given back
+
+
+def test_a_pinned_blob_stays_and_counts_until_unpinned():
+    """Pins reserve room before the blob arrives; the least recently used blobs not pinned
+    go first; a pinned blob is neither evicted nor dropped; unpinned as often as pinned,
+    it is an ordinary cached blob again."""
+    cache = BlobCache(300)
+    cache.put("old", b"x" * 100)
+    cache.put("new", b"x" * 100)
+    assert cache.fits({"p": 100, "q": 100})
+    assert not cache.fits({"p": 100, "q": 100, "r": 101})
+    cache.pin("p", 100)
+    cache.pin("p", 100)  # two queued tiles share it: reserved once
+    assert cache.pinned_bytes == 100 and cache.ids() == ["new", "old"]
+    cache.pin("q", 100)  # no room left for the loose ones: the older goes first
+    assert cache.ids() == ["new"]
+    cache.put("p", b"x" * 100)
+    cache.put("q", b"x" * 100)
+    assert sorted(cache.ids()) == ["new", "p", "q"]  # they arrive in the room reserved
+    cache.put("late", b"x" * 100)  # the oldest loose one makes way
+    assert sorted(cache.ids()) == ["late", "p", "q"]
+    cache.drop("p")
+    assert "p" in cache and cache.bytes == 300
+    assert not cache.fits({"r": 101})
+    cache.unpin("p")
+    assert "p" in cache and cache.pinned_bytes == 200  # p still pinned once, and q
+    cache.unpin("p")
+    cache.unpin("q")
+    cache.unpin("q")  # more unpins than pins change nothing
+    assert cache.pinned_bytes == 0 and cache.bytes == 300
+    cache.put("r", b"x" * 100)
+    assert sorted(cache.ids()) == ["late", "q", "r"] and cache.bytes == 300
