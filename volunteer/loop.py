@@ -389,7 +389,11 @@ class PullLoop(CoordinatorSession):
     def _prefetch(self) -> None:
         """Start fetching the operands of queued tiles, in queue order, while they fit the
         cache beside those already pinned there. An operand of unknown size waits for its
-        tile's turn, when the work half of the budget counts it (policy.memory_refusal)."""
+        tile's turn, when the work half of the budget counts it (policy.memory_refusal).
+        The tiles fetching form the queue's head, so a queue whose last tile is fetching
+        has nothing to start (once a tile, not a walk of 64)."""
+        if not self.queue or self.queue[-1].operands is not None:
+            return
         for job in self.queue:
             if job.operands is not None:
                 continue
