@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 import functools
 from collections import OrderedDict
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterable
 
 from kernels.frames import Buffer
 
@@ -70,34 +70,41 @@ class BlobCache:
             self.bytes -= self._size(data)
             self._loose_bytes -= self._size(data)
 
-    def fits(self, sizes: dict[str, int]) -> bool:
-        """Whether blobs of these sizes could all be pinned beside those pinned already."""
-        new = sum(size for blob_id, size in sizes.items() if blob_id not in self._pins)
-        return self.pinned_bytes + new <= self.max_bytes
+    def pin(self, sizes: dict[str, int]) -> bool:
+        """Pin these blobs (of these sizes, cached or about to be) if they fit beside those
+        pinned already, until unpinned as often; False, and none pinned, if they do not."""
+        pins = self._pins
+        new = 0
+        for blob_id, size in sizes.items():
+            if blob_id not in pins:
+                new += size
+        if self.pinned_bytes + new > self.max_bytes:
+            return False
+        for blob_id, size in sizes.items():
+            pin = pins.get(blob_id)
+            if pin is not None:
+                pin[0] += 1
+                continue
+            pins[blob_id] = [1, size]
+            self.pinned_bytes += size
+            if blob_id in self._blobs:
+                self._loose_bytes -= self._size(self._blobs[blob_id])
+        if new:
+            self._evict()
+        return True
 
-    def pin(self, blob_id: str, size: int) -> None:
-        """Keep `blob_id` (of `size` bytes, cached or about to be) until unpinned as often."""
-        pin = self._pins.get(blob_id)
-        if pin is not None:
-            pin[0] += 1
-            return
-        self._pins[blob_id] = [1, size]
-        self.pinned_bytes += size
-        if blob_id in self._blobs:
-            self._loose_bytes -= self._size(self._blobs[blob_id])
-        self._evict()
-
-    def unpin(self, blob_id: str) -> None:
-        pin = self._pins.get(blob_id)
-        if pin is None:
-            return
-        pin[0] -= 1
-        if pin[0]:
-            return
-        del self._pins[blob_id]
-        self.pinned_bytes -= pin[1]
-        if blob_id in self._blobs:
-            self._loose_bytes += self._size(self._blobs[blob_id])
+    def unpin(self, blob_ids: Iterable[str]) -> None:
+        for blob_id in blob_ids:
+            pin = self._pins.get(blob_id)
+            if pin is None:
+                continue
+            pin[0] -= 1
+            if pin[0]:
+                continue
+            del self._pins[blob_id]
+            self.pinned_bytes -= pin[1]
+            if blob_id in self._blobs:
+                self._loose_bytes += self._size(self._blobs[blob_id])
         self._evict()
 
     def _evict(self) -> None:

@@ -56,9 +56,8 @@ class OperandCache(Protocol):
     def put(self, blob_id: str, data: bytes) -> None: ...
     def drop(self, blob_id: str) -> None: ...
     def ids(self) -> list[str]: ...
-    def fits(self, sizes: dict[str, int]) -> bool: ...
-    def pin(self, blob_id: str, size: int) -> None: ...
-    def unpin(self, blob_id: str) -> None: ...
+    def pin(self, sizes: dict[str, int]) -> bool: ...
+    def unpin(self, blob_ids: tuple[str, ...]) -> None: ...
 
 
 @dataclass
@@ -397,19 +396,18 @@ class PullLoop(CoordinatorSession):
         for job in self.queue:
             if job.operands is not None:
                 continue
-            sizes = {job.assignment[side]: job.assignment[f"{side}_bytes"] for side in "ab"}
-            if not all(sizes.values()) or not self.cache.fits(sizes):
+            assignment = job.assignment
+            sizes = {assignment["a"]: assignment["a_bytes"], assignment["b"]: assignment["b_bytes"]}
+            if 0 in sizes.values() or not self.cache.pin(sizes):
                 return
-            for blob_id, size in sizes.items():
-                self.cache.pin(blob_id, size)
             job.pinned = tuple(sizes)
-            job.operands = asyncio.create_task(self._operands(job.assignment))
+            job.operands = asyncio.create_task(self._operands(assignment))
 
     def _unpin(self, job: Job) -> None:
         """A job leaves the queue: its operands no longer count against the cache."""
-        for blob_id in job.pinned:
-            self.cache.unpin(blob_id)
-        job.pinned = ()
+        if job.pinned:
+            self.cache.unpin(job.pinned)
+            job.pinned = ()
 
     def _drop_stale(self, panels: Any) -> None:
         """Drop the cached panels the coordinator says no product will use again, so that

@@ -283,18 +283,18 @@ async def test_the_operands_of_queued_tiles_count_against_the_cache():
 
 
 def test_a_pinned_blob_stays_and_counts_until_unpinned():
-    """Pins reserve room before the blob arrives; the least recently used blobs not pinned
-    go first; a pinned blob is neither evicted nor dropped; unpinned as often as pinned,
-    it is an ordinary cached blob again."""
+    """Pins reserve room before the blob arrives, all of a tile's or none; the least
+    recently used blobs not pinned go first; a pinned blob is neither evicted nor dropped;
+    unpinned as often as pinned, it is an ordinary cached blob again."""
     cache = BlobCache(300)
     cache.put("old", b"x" * 100)
     cache.put("new", b"x" * 100)
-    assert cache.fits({"p": 100, "q": 100})
-    assert not cache.fits({"p": 100, "q": 100, "r": 101})
-    cache.pin("p", 100)
-    cache.pin("p", 100)  # two queued tiles share it: reserved once
+    assert not cache.pin({"p": 100, "q": 100, "r": 101})  # too much: nothing pinned
+    assert cache.pinned_bytes == 0 and cache.ids() == ["new", "old"]
+    assert cache.pin({"p": 100})
+    assert cache.pin({"p": 100})  # two queued tiles share it: reserved once
     assert cache.pinned_bytes == 100 and cache.ids() == ["new", "old"]
-    cache.pin("q", 100)  # no room left for the loose ones: the older goes first
+    assert cache.pin({"q": 100})  # no room left for the loose ones: the older goes first
     assert cache.ids() == ["new"]
     cache.put("p", b"x" * 100)
     cache.put("q", b"x" * 100)
@@ -303,12 +303,10 @@ def test_a_pinned_blob_stays_and_counts_until_unpinned():
     assert sorted(cache.ids()) == ["late", "p", "q"]
     cache.drop("p")
     assert "p" in cache and cache.bytes == 300
-    assert not cache.fits({"r": 101})
-    cache.unpin("p")
+    assert not cache.pin({"r": 101})
+    cache.unpin(("p",))
     assert "p" in cache and cache.pinned_bytes == 200  # p still pinned once, and q
-    cache.unpin("p")
-    cache.unpin("q")
-    cache.unpin("q")  # more unpins than pins change nothing
+    cache.unpin(("p", "q", "q"))  # more unpins than pins change nothing
     assert cache.pinned_bytes == 0 and cache.bytes == 300
     cache.put("r", b"x" * 100)
     assert sorted(cache.ids()) == ["late", "q", "r"] and cache.bytes == 300
