@@ -18,7 +18,7 @@ class BlobCache:
     computed: a pinned blob is not evicted, and its size (reserved when pinned, before it
     has arrived) counts against the bound. So everything the queue holds is counted once,
     here: without pins, a queued tile's operands that the cache let go stayed in memory
-    that nothing counted (docs/volunteer.md, "Memory")."""
+    that nothing counted (docs/volunteer.md, `--max-memory`)."""
 
     def __init__(self, max_bytes: int) -> None:
         self.max_bytes = max_bytes
