@@ -14,11 +14,11 @@ from kernels.frames import Buffer
 class BlobCache:
     """Blob bytes by id, bounded in bytes; counts hits and misses for the status line.
 
-    A queued tile pins its two operands from when it starts to fetch them until it is
-    computed: a pinned blob is not evicted, and its size (reserved when pinned, before it
-    has arrived) counts against the bound. So everything the queue holds is counted once,
-    here: without pins, a queued tile's operands that the cache let go stayed in memory
-    that nothing counted (docs/volunteer.md, `--max-memory`)."""
+    A queued tile pins its two operands from when it starts to fetch them until its turn
+    has come and they are in hand: a pinned blob is not evicted, and its size (reserved
+    when pinned, before it has arrived) counts against the bound. So everything the queue
+    holds is counted once, here: without pins, a queued tile's operands that the cache let
+    go stayed in memory that nothing counted (docs/volunteer.md, `--max-memory`)."""
 
     def __init__(self, max_bytes: int) -> None:
         self.max_bytes = max_bytes
@@ -138,10 +138,10 @@ class BlobCache:
 
 
 class Downloads:
-    """Downloads under way, one per blob: every queued tile starts fetching its operands when
-    it arrives, and the tiles of one row or column of a product share a panel; the second
-    and later ask for the download already running instead of starting their own. One
-    tile dropped meanwhile does not cancel the download for the others."""
+    """Downloads under way, one per blob: queued tiles fetch their operands ahead (as far
+    as the cache has room for them), and the tiles of one row or column of a product share
+    a panel; the second and later ask for the download already running instead of starting
+    their own. One tile dropped meanwhile does not cancel the download for the others."""
 
     def __init__(self) -> None:
         self._running: dict[str, asyncio.Future[Buffer]] = {}

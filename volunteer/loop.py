@@ -87,8 +87,8 @@ class Stats:
 @dataclass
 class Job:
     """An assignment and the task fetching its operands: started while the tile is queued
-    when they fit the cache beside those of the tiles before it (pinned there until the
-    tile is computed), else when its turn comes."""
+    when they fit the cache beside those of the tiles before it (pinned there until its
+    turn has come and they are in hand), else when its turn comes."""
 
     assignment: dict[str, Any]
     deadline: float
@@ -390,7 +390,7 @@ class PullLoop(CoordinatorSession):
         cache beside those already pinned there. An operand of unknown size waits for its
         tile's turn, when the work half of the budget counts it (policy.memory_refusal).
         The tiles fetching form the queue's head, so a queue whose last tile is fetching
-        has nothing to start (once a tile, not a walk of 64)."""
+        has nothing to start, and is not walked."""
         if not self.queue or self.queue[-1].operands is not None:
             return
         for job in self.queue:
@@ -472,50 +472,68 @@ class PullLoop(CoordinatorSession):
         ):
             await self._flush()
 
+    async def _operands_in_hand(self, job: Job) -> list[Buffer] | None:
+        """The operands of the tile whose turn has come; None when it is not to be computed
+        (aborted meanwhile, its product done, or its operands refused: reported as such).
+        It is listed in progress while they arrive, and its pins keep them in the cache
+        until they are in hand; from then on the work half of the budget counts them."""
+        result_id = job.assignment["result_id"]
+        if job.operands is None:
+            job.operands = asyncio.create_task(self._operands(job.assignment))
+        self.fetching = result_id
+        queued_again = False
+        try:
+            operands = await job.operands
+        except asyncio.CancelledError:
+            if result_id in self.aborted:
+                self.aborted.discard(result_id)
+            else:
+                self.queue.appendleft(job)  # the session is ending: given back with the queue
+                queued_again = True
+            raise
+        except Exception as exc:
+            if result_id in self.aborted:  # nothing to report, retry or keep
+                self.aborted.discard(result_id)
+                return None
+            if isinstance(exc, kernels.BlobMismatchError):
+                self._failed("blob", exc)
+                self.log.error("refusing %s: operand blob is corrupt: %s", result_id, exc)
+                self.pending.append({"result_id": result_id, "error": f"corrupt blob: {exc}"})
+                return None
+            if isinstance(exc, ServerRefused) and exc.status == 410:
+                # Its product is done: the coordinator needs no report of it.
+                self.stats.aborted += 1
+                self.log.info("dropped %s: %s", result_id, exc.message)
+                return None
+            if isinstance(exc, ServerRefused) and not (exc.retriable or exc.status == 401):
+                self._failed("blob", exc)
+                self.log.error("cannot fetch operands of %s: %s", result_id, exc)
+                self.pending.append({"result_id": result_id, "error": f"fetch failed: {exc}"})
+                return None
+            if isinstance(exc, (ServerRefused, *NETWORK)):
+                self._retry(job)
+            raise
+        finally:
+            self.fetching = None
+            if not queued_again:
+                self._unpin(job)
+                self._prefetch()
+        if result_id in self.aborted:
+            self.aborted.discard(result_id)
+            return None
+        return operands
+
     async def _compute_next(self) -> None:
         await self._make_room()
         if not self.queue:  # the answer to an ask in flight aborted what was queued
             return
         job = self.queue.popleft()
+        operands = await self._operands_in_hand(job)
+        if operands is None:
+            return
+        a, b = operands
         assignment = job.assignment
         result_id = assignment["result_id"]
-        # Its operands count in the work half of the budget from now on, not in the cache.
-        self._unpin(job)
-        if job.operands is None:
-            job.operands = asyncio.create_task(self._operands(assignment))
-        self._prefetch()
-        self.fetching = result_id
-        try:
-            a, b = await job.operands
-        except asyncio.CancelledError:
-            self.queue.appendleft(job)  # the session is ending: given back with the queue
-            raise
-        except kernels.BlobMismatchError as exc:
-            self._failed("blob", exc)
-            self.log.error("refusing %s: operand blob is corrupt: %s", result_id, exc)
-            self.pending.append({"result_id": result_id, "error": f"corrupt blob: {exc}"})
-            return
-        except ServerRefused as exc:
-            if exc.status == 410:
-                # Its product is done: the coordinator needs no report of it.
-                self.stats.aborted += 1
-                self.log.info("dropped %s: %s", result_id, exc.message)
-                return
-            if not (exc.retriable or exc.status == 401):
-                self._failed("blob", exc)
-                self.log.error("cannot fetch operands of %s: %s", result_id, exc)
-                self.pending.append({"result_id": result_id, "error": f"fetch failed: {exc}"})
-                return
-            self._retry(job)
-            raise
-        except NETWORK:
-            self._retry(job)
-            raise
-        finally:
-            self.fetching = None
-        if result_id in self.aborted:
-            self.aborted.discard(result_id)
-            return
         if time.monotonic() > job.deadline:
             self.stats.skipped += 1
             self.log.info("skipped %s: its deadline passed before we got to it", result_id)

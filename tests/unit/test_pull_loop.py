@@ -235,6 +235,7 @@ class HeldBytes(SlowTiles):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.held: list[int] = []
+        self.next_fetched_ahead: list[bool] = []  # the next queued tile's operands on their way
 
     async def _kernel(self, assignment, a, b):
         cached = set(self.cache.ids())
@@ -247,6 +248,8 @@ class HeldBytes(SlowTiles):
                     if blob_id not in cached:
                         let_go[blob_id] = len(data)
         self.held.append(self.cache.bytes + sum(let_go.values()))
+        if self.queue:
+            self.next_fetched_ahead.append(self.queue[0].operands is not None)
         return await super()._kernel(assignment, a, b)
 
 
@@ -279,6 +282,7 @@ async def test_the_operands_of_queued_tiles_count_against_the_cache():
     assert sorted(coordinator.reported) == [f"r{i}" for i in range(6)]
     assert len(loop.held) == 6
     assert max(loop.held) <= cache.max_bytes, loop.held
+    assert loop.next_fetched_ahead == [True] * 5  # one tile's operands fit: fetched ahead
     assert cache.pinned_bytes == 0  # every pin given back
 
 
@@ -310,3 +314,45 @@ def test_a_pinned_blob_stays_and_counts_until_unpinned():
     assert cache.pinned_bytes == 0 and cache.bytes == 300
     cache.put("r", b"x" * 100)
     assert sorted(cache.ids()) == ["late", "q", "r"] and cache.bytes == 300
+
+
+class HeldDownload(NothingAfterTwoTiles):
+    """Its blob downloads wait until `release` is set."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.release = asyncio.Event()
+        self.fetching = asyncio.Event()
+
+    async def fetch_blob(self, blob_id: str, max_bytes: int) -> bytes:
+        self.fetching.set()
+        await self.release.wait()
+        return self.blobs[blob_id]
+
+
+async def test_a_tile_waiting_for_its_operands_is_in_progress_and_can_be_aborted():
+    """A tile whose turn has come, while its operands download, is neither queued nor
+    computing. It is still the host's: listed in progress (else the coordinator would take
+    it for a lost reply and send it again), not queued twice when an answer repeats it, and
+    dropped, never computed or reported, when an answer aborts it meanwhile."""
+    coordinator = HeldDownload()
+    computed: list[str] = []
+
+    class Recorded(SlowTiles):
+        async def _kernel(self, assignment, a, b):
+            computed.append(assignment["result_id"])
+            return await super()._kernel(assignment, a, b)
+
+    loop = Recorded(coordinator, name="v", cache=BlobCache(1 << 20))  # type: ignore[arg-type]
+    tile = coordinator.tiles[0]
+    loop._take({"assignments": [tile]})
+    turn = asyncio.ensure_future(loop._compute_next())
+    await asyncio.wait_for(coordinator.fetching.wait(), timeout=10.0)
+    assert loop._in_progress() == [tile["result_id"]]
+    loop._take({"assignments": [tile]})  # the same assignment again: already the host's
+    assert not loop.queue
+    loop._take({"assignments": [], "abort": [tile["result_id"]]})
+    coordinator.release.set()
+    await asyncio.wait_for(turn, timeout=10.0)
+    assert computed == [] and loop.pending == [] and loop._in_progress() == []
+    assert loop.aborted == set()
