@@ -564,7 +564,8 @@ class PullLoop(CoordinatorSession):
             self.pending.append(report)
 
     def _retry(self, job: Job) -> None:
-        """Busy or cut off, not wrong: keep the assignment and fetch again after the backoff."""
+        """Busy or cut off, not wrong: keep the assignment at the queue's head and fetch its
+        operands again at once; it is computed after the session's backoff."""
         retry = asyncio.create_task(self._operands(job.assignment))
         self.queue.appendleft(Job(job.assignment, job.deadline, retry))  # next: not pinned
 
