@@ -65,12 +65,18 @@ class SlowTiles(PullLoop):
         return output_hash, tile, 0.05
 
 
-async def run_until(coordinator: NothingAfterTwoTiles, done: Callable[[], bool]) -> SlowTiles:
-    """A volunteer's session against `coordinator` until `done()` (10 s at most), then stopped."""
-    loop = SlowTiles(
-        coordinator,  # type: ignore[arg-type]
+async def run_until(
+    coordinator: Any,
+    done: Callable[[], bool],
+    kind: type[SlowTiles] = SlowTiles,
+    cache: BlobCache | None = None,
+) -> Any:
+    """A volunteer's session (a `kind` of loop) against `coordinator` until `done()` (10 s at
+    most), then stopped; returns the loop."""
+    loop = kind(
+        coordinator,
         name="v",
-        cache=BlobCache(1 << 20),
+        cache=cache or BlobCache(1 << 20),
         gflops=1e-6,  # so every tile outlasts the round trips: it asks ahead
         idle=Backoff(base=60.0, cap=60.0),
     )
@@ -167,23 +173,7 @@ async def test_a_finished_tile_is_reported_while_the_next_computes():
     its report goes out while the next computes (the coordinator's training loop may be
     waiting for it), not with the ask made during the last queued tile, a tile later."""
     coordinator = OneThenTwoTiles()
-    loop = TimedTiles(
-        coordinator,  # type: ignore[arg-type]
-        name="v",
-        cache=BlobCache(1 << 20),
-        gflops=1e-6,  # every tile outlasts the round trips
-        idle=Backoff(base=60.0, cap=60.0),
-    )
-    stop = asyncio.Event()
-    session = asyncio.ensure_future(loop.session(stop))
-    try:
-        deadline = time.monotonic() + 10.0
-        while len(coordinator.reported) < 3 and time.monotonic() < deadline:
-            await asyncio.sleep(0.01)  # polling with a deadline
-    finally:
-        stop.set()
-        loop.cancel()
-        await asyncio.wait_for(session, timeout=10.0)
+    loop = await run_until(coordinator, lambda: len(coordinator.reported) >= 3, TimedTiles)
     assert sorted(coordinator.reported) == ["r0", "r1", "r2"]
     assert coordinator.reported["r0"] < loop.ended["r1"], "r0 was held back a tile"
     assert coordinator.reported["r1"] < loop.ended["r2"], "r1 was held back a tile"
@@ -262,23 +252,7 @@ async def test_the_operands_of_queued_tiles_count_against_the_cache():
     memory uncounted), and every tile is still computed and reported."""
     coordinator = PanelsOfTheirOwn()
     cache = BlobCache(400_000)
-    loop = HeldBytes(
-        coordinator,  # type: ignore[arg-type]
-        name="v",
-        cache=cache,
-        gflops=1e-6,
-        idle=Backoff(base=60.0, cap=60.0),
-    )
-    stop = asyncio.Event()
-    session = asyncio.ensure_future(loop.session(stop))
-    try:
-        deadline = time.monotonic() + 10.0
-        while len(coordinator.reported) < 6 and time.monotonic() < deadline:
-            await asyncio.sleep(0.01)  # polling with a deadline
-    finally:
-        stop.set()
-        loop.cancel()
-        await asyncio.wait_for(session, timeout=10.0)
+    loop = await run_until(coordinator, lambda: len(coordinator.reported) >= 6, HeldBytes, cache)
     assert sorted(coordinator.reported) == [f"r{i}" for i in range(6)]
     assert len(loop.held) == 6
     assert max(loop.held) <= cache.max_bytes, loop.held
