@@ -390,7 +390,8 @@ class PullLoop(CoordinatorSession):
         cache beside those already pinned there. An operand of unknown size waits for its
         tile's turn, when the work half of the budget counts it (policy.memory_refusal).
         The tiles fetching form the queue's head, so a queue whose last tile is fetching
-        has nothing to start, and is not walked."""
+        has nothing to start, and is not walked. (A turn cancelled mid-download puts its
+        tile back unfetched ahead of fetching ones: it fetches when its turn comes again.)"""
         if not self.queue or self.queue[-1].operands is not None:
             return
         for job in self.queue:
@@ -481,15 +482,19 @@ class PullLoop(CoordinatorSession):
         if job.operands is None:
             job.operands = asyncio.create_task(self._operands(job.assignment))
         self.fetching = result_id
-        queued_again = False
+        cancelled = False
         try:
             operands = await job.operands
         except asyncio.CancelledError:
+            cancelled = True
             if result_id in self.aborted:
                 self.aborted.discard(result_id)
             else:
-                self.queue.appendleft(job)  # the session is ending: given back with the queue
-                queued_again = True
+                # The session is ending: given back with the queue (or, should the loop go
+                # on, fetched again at its turn).
+                if job.operands.cancelled():
+                    job.operands = None
+                self.queue.appendleft(job)
             raise
         except Exception as exc:
             if result_id in self.aborted:  # nothing to report, retry or keep
@@ -515,8 +520,8 @@ class PullLoop(CoordinatorSession):
             raise
         finally:
             self.fetching = None
-            if not queued_again:
-                self._unpin(job)
+            self._unpin(job)
+            if not cancelled:
                 self._prefetch()
         if result_id in self.aborted:
             self.aborted.discard(result_id)

@@ -330,3 +330,31 @@ async def test_a_tile_waiting_for_its_operands_is_in_progress_and_can_be_aborted
     await asyncio.wait_for(turn, timeout=10.0)
     assert computed == [] and loop.pending == [] and loop._in_progress() == []
     assert loop.aborted == set()
+
+
+async def test_a_session_ending_while_a_tile_waits_for_its_operands_gives_it_back():
+    """Cancelled while its operands download, the tile whose turn had come goes back to the
+    head of the queue, so that leaving gives it back with the rest; its download, cancelled
+    with it, would start again at its turn, and it holds no pins meanwhile. Stopping the
+    loop lets every pin go."""
+    coordinator = HeldDownload()
+    cache = BlobCache(1 << 20)
+    loop = SlowTiles(coordinator, name="v", cache=cache)  # type: ignore[arg-type]
+    blobs = coordinator.blobs
+    sized = [
+        {**tile, "a_bytes": len(blobs[tile["a"]]), "b_bytes": len(blobs[tile["b"]])}
+        for tile in coordinator.tiles
+    ]
+    loop._take({"assignments": sized})
+    assert cache.pinned_bytes > 0  # both fit: fetched ahead, their shared panels pinned
+    turn = asyncio.ensure_future(loop._compute_next())
+    await asyncio.wait_for(coordinator.fetching.wait(), timeout=10.0)
+    turn.cancel()
+    await asyncio.gather(turn, return_exceptions=True)
+    assert [job.assignment["result_id"] for job in loop.queue] == ["r0", "r1"]
+    assert loop.fetching is None and loop.queue[0].operands is None
+    assert loop.queue[0].pinned == () and cache.pinned_bytes > 0  # r1's pins
+    fetching = [job.operands for job in loop.queue if job.operands is not None]
+    loop.cancel()
+    await asyncio.gather(*fetching, return_exceptions=True)
+    assert cache.pinned_bytes == 0
