@@ -98,6 +98,7 @@ class Coordinator:
         self.progress.waiting = lambda: self.waiting.current
         self.requests.why_waiting = self.waiting.note
         self.requests.between_products = lambda: self.products.between
+        self.requests.crowd = lambda now: self.crowd.crowd(now).hosts
         self.ledger.on_unsent = self.requests.signal_work
         self.ledger.on_promise = self.passes.wake
         # The background passes (validate, transition, assimilate, commit): they run until

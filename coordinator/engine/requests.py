@@ -103,6 +103,8 @@ class WorkRequests:
         # The training loop's seconds between a product done and its next one published
         # (Products.between; None: not yet known).
         self.between_products: Callable[[], float | None] = lambda: None
+        # Hosts in recent contact (engine/crowd.py): each holds its share of a product.
+        self.crowd: Callable[[float], int] = lambda now: 1
         self.finished = False  # training is done: every request is told so
         self.told: set[int] = set()  # hosts told that the project is finished
         self.waiters = Waiters()  # long-polling work requests
@@ -186,9 +188,11 @@ class WorkRequests:
                     }
                 )
             )
-        # Other hosts waiting for work get their share of a product: one host does not take
-        # all of its tiles while the rest idle (sized work cut it for all of them).
-        plan = self.scheduler.plan(host, request, now, others=self.waiters.hosts)
+        # Other hosts get their share of a product: one host does not take all of its tiles
+        # while the rest idle or finish their last (sized work cut it for all of them).
+        plan = self.scheduler.plan(
+            host, request, now, others=self.waiters.hosts, crowd=self.crowd(now)
+        )
         asked = time.monotonic()
         deadline = asked + self.config.long_poll
         while not plan.assignments and plan.room > 0 and request.wait:
@@ -206,7 +210,9 @@ class WorkRequests:
                 await self._settle()
             now = time.time()
             host = self.ledger.hosts[host.id]
-            plan = self.scheduler.plan(host, request, now, others=self.waiters.hosts - 1)
+            plan = self.scheduler.plan(
+                host, request, now, others=self.waiters.hosts - 1, crowd=self.crowd(now)
+            )
             if not plan.assignments and self.ledger.unsent:
                 # Work is there, but none this host may take (it holds a replica, or lacks
                 # the memory): answer now rather than be woken again and again for it. The

@@ -13,6 +13,9 @@ BOINC's rules and the fixes for what its users complain about:
 - tail acceleration: spare replicas at the end of a GEMM go only to fast, reliable hosts;
 - while other hosts wait for work, a host takes only its share of each product's unsent
   results (the product was cut for all of them: rules/sizing.py), and of all of them;
+- a host holds at most its share of a product's results over the whole crowd, waiting or
+  not: the hosts busy uploading their last tiles ask again within a round trip, and one
+  host given a product's every tile uploads them one after another;
 - a crowd larger than the work is asked to spread its asks (idle_delay);
 - a host is told which of its cached panels no product will use again (stale_panels), so
   its cache, and the list of it in every request, hold the work in flight and not history.
@@ -195,9 +198,14 @@ class Scheduler:
         self.config = config
         self.rng = rng
 
-    def plan(self, host: Host, request: WorkRequest, now: float, others: int = 0) -> Plan:
+    def plan(
+        self, host: Host, request: WorkRequest, now: float, others: int = 0, crowd: int = 1
+    ) -> Plan:
         """`others`: how many other hosts want work just now; this one then takes no more
-        than its share of each product's unsent results."""
+        than its share of each product's unsent results. `crowd`: the hosts in recent
+        contact, whom products are cut for (engine/crowd.py); this one holds no more than
+        its share of each product's results, whether or not the others are asking at this
+        moment (they are uploading their last tiles, say, a round trip from asking)."""
         plan = Plan()
         ledger = self.ledger
         listed = set(request.in_progress)
@@ -228,6 +236,7 @@ class Scheduler:
         preferred = cached if self.config.cache_preference else set()
         taken: dict[str, int] = {}  # results of each product given in this plan
         shares: dict[str, int] = {}
+        held = self._held_by_product(host) if crowd > 1 else {}
         if others > 0:
             # Its share of all the work, too: two products published together (a layer's dX
             # and dW, or the micro-batches' products) go to twice the hosts, not twice
@@ -236,12 +245,11 @@ class Scheduler:
         for result_id in self._candidates(preferred):
             if room <= 0:
                 break
-            if others > 0:
+            if others > 0 or crowd > 1:
                 gemm = self._gemm_of(result_id)
                 if gemm is not None:
                     if gemm not in shares:
-                        unsent = self.ledger.unsent_of_gemm[gemm]
-                        shares[gemm] = math.ceil(unsent / (others + 1))
+                        shares[gemm] = self._share(gemm, others, crowd, held.get(gemm, 0))
                     if taken.get(gemm, 0) >= shares[gemm]:
                         continue
             assignment = self._try_assign(host, result_id, now, plan, held=in_progress)
@@ -253,11 +261,38 @@ class Scheduler:
             taken[assignment.wu.gemm_id] = taken.get(assignment.wu.gemm_id, 0) + 1
             in_progress += 1
             room -= 1
-            if others > 0 and _all_shares_taken(ledger.unsent_of_gemm, taken, shares):
+            if (others > 0 or crowd > 1) and _all_shares_taken(
+                ledger.unsent_of_gemm, taken, shares
+            ):
                 # The rest of the unsent results belong to products whose share this host
                 # has: looking at each of them (thousands, at a large product) finds nothing.
                 break
         return plan
+
+    def _share(self, gemm: str, others: int, crowd: int, held: int) -> int:
+        """How many more of a product's unsent results this plan may give the host: its
+        share of them over the hosts asking now (`others` and itself), and no more than its
+        share of all of the product's results over the crowd, counting those it `held`."""
+        ledger = self.ledger
+        share = ledger.unsent_of_gemm[gemm]
+        if others > 0:
+            share = math.ceil(share / (others + 1))
+        wus = ledger.wus_of.get(gemm)
+        if crowd > 1 and wus:
+            # Replicas as the first work unit has them: adaptive replication may have cut
+            # some to one, and the share is a bound on waiting, not on bookkeeping.
+            results = len(wus) * ledger.wus[next(iter(wus))].target_nresults
+            share = min(share, math.ceil(results / crowd) - held)
+        return share
+
+    def _held_by_product(self, host: Host) -> dict[str, int]:
+        """The host's results in progress, counted by product."""
+        held: dict[str, int] = {}
+        for result_id in self.ledger.in_progress_of.get(host.id, ()):
+            gemm = self._gemm_of(result_id)
+            if gemm is not None:
+                held[gemm] = held.get(gemm, 0) + 1
+        return held
 
     def _gemm_of(self, result_id: str) -> str | None:
         result = self.ledger.results.get(result_id)

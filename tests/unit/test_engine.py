@@ -483,6 +483,31 @@ async def test_a_crowd_larger_than_the_work_is_asked_to_spread_its_asks(tmp_path
         pending.cancel()
 
 
+async def test_a_host_asking_alone_takes_its_share_of_a_product_not_all_of_it(tmp_path, rng):
+    """Four hosts in contact, of eight threads each, one asking for up to 16 results of a
+    product of 16 tiles while the others are busy: it gets its share, four, not the sixteen
+    its quota allows. Each of the others, asking after, gets four too: the product is
+    spread over all of them rather than queued on the first."""
+    async with crowd(tmp_path, 0) as (co, _, _):
+        register = co.hosts.register
+        hosts = [
+            (await register(RegisterRequest(f"h{i}", 10.0, 8, 512), time.time()))[0]
+            for i in range(4)
+        ]
+        pending = asyncio.create_task(co.products.matmul(*operands(rng, 64, 64, 8, False, False)))
+        await wait_until(lambda: len(co.ledger.unsent) == 16)
+
+        async def ask(host) -> list[str]:
+            request = WorkRequest(f"r{host.id}", 16, (), (), None, False)
+            answer = await co.requests.request_work(host, request, time.time())
+            return [a["result_id"] for a in msgpack.unpackb(answer.body)["assignments"]]
+
+        given = [await ask(host) for host in hosts]
+        assert [len(g) for g in given] == [4, 4, 4, 4]
+        assert not co.ledger.unsent
+        pending.cancel()
+
+
 async def test_a_finished_coordinator_waits_for_hosts_it_told_to_wait_long(tmp_path, monkeypatch):
     """Before it exits, a finished coordinator waits for the hosts in contact to hear it:
     past its grace when it told a crowd of idle hosts to wait longer than that."""

@@ -194,6 +194,50 @@ def test_a_host_takes_only_its_share_of_all_the_work_while_others_wait_for_it():
     assert len(sched.plan(make_host(3), cached, NOW).assignments) == 3
 
 
+def test_a_host_holds_only_its_share_of_a_product_over_the_crowd_asking_or_not():
+    """Twelve single-replica tiles of one product, a crowd of ten hosts, none but this one
+    asking just now (the rest are uploading their last tiles): it gets two, not all twelve,
+    which it would upload one after another while the others came back to nothing. Holding
+    them, it gets no more of that product, but all it may of another; once it has reported
+    them, two more. A crowd of one gets everything."""
+    product = [make_wu(i, target_nresults=1, min_quorum=1) for i in range(12)]
+    other = [make_wu(20 + i, target_nresults=1, min_quorum=1, gemm_id="gemm-2") for i in range(2)]
+    ledger = make_ledger(product, replicas=1)
+    sched = scheduler(ledger)
+
+    first = sched.plan(make_host(1), request(), NOW, crowd=10)
+    assert assigned(first) == ["wu-0-r0", "wu-1-r0"]
+
+    for wu in other:
+        ledger.put_wu(wu)
+        ledger.put_result(replica(wu))
+    holding = sched.plan(make_host(1), request(in_progress=assigned(first)), NOW + 1, crowd=10)
+    assert assigned(holding) == ["wu-20-r0"]  # its share of gemm-2: one of two
+
+    for result in [a.result for a in first.assignments + holding.assignments]:
+        ledger.put_result(
+            result.evolve(
+                server_state=ServerState.OVER, outcome=Outcome.SUCCESS, received_time=NOW + 2
+            )
+        )
+    again = sched.plan(make_host(1), request(), NOW + 3, crowd=10)
+    assert assigned(again) == ["wu-2-r0", "wu-3-r0", "wu-21-r0"]
+
+    alone = sched.plan(make_host(2), request(), NOW + 4, crowd=1)
+    assert len(alone.assignments) == 8  # the rest of the product
+    assert ledger.unsent_of_gemm["gemm-1"] == 0
+
+
+def test_a_quorum_products_share_counts_its_replicas():
+    """Four work units of two replicas each, a crowd of four: each host may hold two of the
+    eight results, one replica each of two work units."""
+    ledger = make_ledger([make_wu(i) for i in range(4)], replicas=2)
+    sched = scheduler(ledger)
+    plans = [sched.plan(make_host(h), request(), NOW, crowd=4) for h in range(1, 5)]
+    assert [len(p.assignments) for p in plans] == [2, 2, 2, 2]
+    assert not ledger.unsent
+
+
 @pytest.mark.parametrize(
     ("outcome", "received"),
     [
