@@ -279,8 +279,8 @@ class Scheduler:
             share = math.ceil(share / (others + 1))
         wus = ledger.wus_of.get(gemm)
         if crowd > 1 and wus:
-            # Replicas as the first work unit has them: adaptive replication may have cut
-            # some to one, and the share is a bound on waiting, not on bookkeeping.
+            # Replicas as the first work unit has them (adaptive replication may have cut
+            # some to one): the share paces hosts, and an estimate of it is enough.
             results = len(wus) * ledger.wus[next(iter(wus))].target_nresults
             share = min(share, math.ceil(results / crowd) - held)
         return share
