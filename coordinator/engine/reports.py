@@ -57,6 +57,9 @@ class Reports:
         self.wake = wake  # the passes: something changed
         self.crowd = crowd  # learns what a tile costs beyond its arithmetic
         self.hold = hold  # a stored tile is held until its product is done (Products.hold)
+        # A host's results in progress went down: its waiting ask may take more
+        # (WorkRequests.reported).
+        self.reported: Callable[[int], None] = lambda host_id: None
 
     async def report(self, host: Host, request: ReportRequest, now: float) -> dict:
         """Accept a batch of results: all entries are checked before any is applied.
@@ -156,6 +159,7 @@ class Reports:
         # else: committed with the answer to the host's ask for work, in one transaction
         # (server/api.py report), right after both answers leave.
         self.wake()
+        self.reported(host.id)
         return summary
 
     def _reported(self, result: Result) -> bool:

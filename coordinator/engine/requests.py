@@ -119,6 +119,11 @@ class WorkRequests:
         """New unsent results: wake as many waiting requests as there is work for."""
         self.waiters.wake(len(self.ledger.unsent))
 
+    def reported(self, host_id: int) -> None:
+        """The host reported results: a request of its own waiting for work, which its
+        share of a product held back, may take more now."""
+        self.waiters.wake_host(host_id)
+
     def finish(self) -> None:
         """Training is done: from now on every work request is answered `finished`, and
         the requests waiting for work are answered at once."""
@@ -197,7 +202,7 @@ class WorkRequests:
         deadline = asked + self.config.long_poll
         while not plan.assignments and plan.room > 0 and request.wait:
             remaining = deadline - time.monotonic()
-            if remaining <= 0 or not await self.waiters.wait(remaining):
+            if remaining <= 0 or not await self.waiters.wait(remaining, host.id):
                 break
             if self.finished:
                 return self._finished(host, request)
@@ -252,6 +257,11 @@ class WorkRequests:
             )
         elif not assignments and (why := self.why_waiting()):
             message["note"] = why
+        elif not assignments and plan.held_back:
+            message["note"] = (
+                "this volunteer holds its share of each product in flight; more as it "
+                "reports them, or as others take theirs"
+            )
         elif delay > self.config.no_work_delay:
             message["note"] = (
                 "more volunteers than work: idle hosts ask less often, so that together "

@@ -84,6 +84,7 @@ class Plan:
     events: list[Event] = field(default_factory=list)
     room: int = 0  # how many more results the host could take (capacity and quota)
     too_big: int = 0  # work units skipped because they need more memory than the host has
+    held_back: int = 0  # unsent results of products whose share the host already holds
     smallest_need: int = 0  # bytes the smallest of those needs
 
 
@@ -235,8 +236,22 @@ class Scheduler:
         cached = set(request.cached)
         preferred = cached if self.config.cache_preference else set()
         taken: dict[str, int] = {}  # results of each product given in this plan
-        shares: dict[str, int] = {}
-        held = self._held_by_product(host) if crowd > 1 else {}
+        sharing = others > 0 or crowd > 1
+        shares: dict[str, int] = {}  # the most of each product's unsent results this plan gives
+        open_products = 0
+        if sharing:
+            # Looked at once for every product with work unsent (there are few): a host that
+            # holds its share of each is answered without a walk through thousands of
+            # results none of which it may take.
+            held = self._held_by_product(host) if crowd > 1 else {}
+            for gemm, unsent in ledger.unsent_of_gemm.items():
+                shares[gemm] = self._share(gemm, others, crowd, held.get(gemm, 0))
+                if shares[gemm] > 0:
+                    open_products += 1
+                else:
+                    plan.held_back += unsent
+            if not open_products:
+                return plan
         if others > 0:
             # Its share of all the work, too: two products published together (a layer's dX
             # and dW, or the micro-batches' products) go to twice the hosts, not twice
@@ -245,28 +260,27 @@ class Scheduler:
         for result_id in self._candidates(preferred):
             if room <= 0:
                 break
-            if others > 0 or crowd > 1:
+            if sharing:
                 gemm = self._gemm_of(result_id)
-                if gemm is not None:
-                    if gemm not in shares:
-                        shares[gemm] = self._share(gemm, others, crowd, held.get(gemm, 0))
-                    if taken.get(gemm, 0) >= shares[gemm]:
-                        continue
+                if gemm is not None and taken.get(gemm, 0) >= shares.get(gemm, 0):
+                    continue
             assignment = self._try_assign(host, result_id, now, plan, held=in_progress)
             if assignment is None:
                 continue
             saved = {assignment.wu.a_panel, assignment.wu.b_panel} & cached
             plan.bytes_saved += sum(ledger.panel_bytes.get(p, 0) for p in saved)
             plan.assignments.append(assignment)
-            taken[assignment.wu.gemm_id] = taken.get(assignment.wu.gemm_id, 0) + 1
+            gemm = assignment.wu.gemm_id
+            taken[gemm] = taken.get(gemm, 0) + 1
             in_progress += 1
             room -= 1
-            if (others > 0 or crowd > 1) and _all_shares_taken(
-                ledger.unsent_of_gemm, taken, shares
-            ):
-                # The rest of the unsent results belong to products whose share this host
-                # has: looking at each of them (thousands, at a large product) finds nothing.
-                break
+            if sharing and (taken[gemm] == shares.get(gemm) or gemm not in ledger.unsent_of_gemm):
+                open_products -= 1
+                if not open_products:
+                    # The rest of the unsent results belong to products whose share this
+                    # host has: looking at each of them (thousands, at a large product)
+                    # finds nothing.
+                    break
         return plan
 
     def _share(self, gemm: str, others: int, crowd: int, held: int) -> int:
@@ -399,13 +413,6 @@ class Scheduler:
             )
         )
         return wu
-
-
-def _all_shares_taken(
-    unsent_of_gemm: Mapping[str, int], taken: dict[str, int], shares: dict[str, int]
-) -> bool:
-    """True when every product with unsent results has given this plan its share."""
-    return all(gemm in shares and taken.get(gemm, 0) >= shares[gemm] for gemm in unsent_of_gemm)
 
 
 def _event(wu: WorkUnit, result: Result | None, now: float, state: str, message: str) -> Event:

@@ -508,6 +508,54 @@ async def test_a_host_asking_alone_takes_its_share_of_a_product_not_all_of_it(tm
         pending.cancel()
 
 
+async def test_a_host_holding_its_share_is_given_more_as_soon_as_it_reports(tmp_path, rng):
+    """A crowd of four; the other three never ask. The one that does holds its share of a
+    product of four tiles, one, and asks ahead while it computes, waiting for work: told
+    why it gets nothing more yet, its ask waits, and its report wakes it with the next
+    tile at once rather than after the long poll (30 s here)."""
+    config = CoordinatorConfig(
+        directory=tmp_path, tile=16, policy=Policy.FREIVALDS, seed=1, long_poll=30.0
+    )
+    co = Coordinator(config, MemoryStore())
+    await co.start()
+    try:
+        register = co.hosts.register
+        hosts = [
+            (await register(RegisterRequest(f"h{i}", 10.0, 8, 512), time.time()))[0]
+            for i in range(4)
+        ]
+        host = hosts[0]
+        product = asyncio.create_task(co.products.matmul(*operands(rng, 32, 32, 8, False, False)))
+        await wait_until(lambda: len(co.ledger.unsent) == 4)
+
+        async def ask(tag: str, in_progress: tuple[str, ...], wait: bool) -> dict:
+            request = WorkRequest(f"r-{tag}", 8, (), in_progress, None, wait)
+            answer = await co.requests.request_work(host, request, time.time())
+            return msgpack.unpackb(answer.body)
+
+        first = await ask("first", (), False)
+        assert len(first["assignments"]) == 1
+        held = first["assignments"][0]
+        told = await ask("told", (held["result_id"],), False)
+        assert told["assignments"] == []
+        assert "holds its share" in told["note"]
+
+        ahead = asyncio.create_task(ask("ahead", (held["result_id"],), True))
+        await wait_until(lambda: co.requests.waiters.hosts == 1)  # its ask waits
+        tile = kernels.encode_array(
+            kernels.gemm(co.blobs.get_array(held["a"]), co.blobs.get_array(held["b"]))
+        )
+        entry = ResultReport(held["result_id"], kernels.blob_id(tile), tile, None, 0.0)
+        await co.reports.report(host, ReportRequest((entry,)), time.time())
+        woken = await asyncio.wait_for(ahead, 10.0)
+        assert len(woken["assignments"]) == 1
+        assert woken["assignments"][0]["result_id"] != held["result_id"]
+        product.cancel()
+        await asyncio.gather(product, return_exceptions=True)
+    finally:
+        await co.stop()
+
+
 async def test_a_finished_coordinator_waits_for_hosts_it_told_to_wait_long(tmp_path, monkeypatch):
     """Before it exits, a finished coordinator waits for the hosts in contact to hear it:
     past its grace when it told a crowd of idle hosts to wait longer than that."""

@@ -228,6 +228,32 @@ def test_a_host_holds_only_its_share_of_a_product_over_the_crowd_asking_or_not()
     assert ledger.unsent_of_gemm["gemm-1"] == 0
 
 
+def test_the_tighter_of_the_two_shares_holds():
+    """Twelve tiles, a crowd of three: alone a host may hold four. With five others asking
+    just now, it takes two (twelve unsent over six askers); with one other asking, four, not
+    six."""
+    wus = [make_wu(i, target_nresults=1, min_quorum=1) for i in range(12)]
+    ledger = make_ledger(wus, replicas=1)
+    sched = scheduler(ledger)
+    assert len(sched.plan(make_host(1), request(), NOW, others=5, crowd=3).assignments) == 2
+    assert len(sched.plan(make_host(2), request(), NOW, others=1, crowd=3).assignments) == 4
+
+
+def test_a_host_holding_its_share_of_every_product_is_told_how_much_waits_for_others():
+    """A product of 4,000 tiles, a crowd of 4,000: a host holding its one is answered with
+    nothing, and the plan says how many results it held back (the answer's note). Each
+    product's share is looked at once, not result by result."""
+    wus = [make_wu(i, target_nresults=1, min_quorum=1) for i in range(4000)]
+    ledger = make_ledger(wus, replicas=1)
+    sched = scheduler(ledger)
+    first = sched.plan(make_host(1), request(), NOW, crowd=4000)
+    assert assigned(first) == ["wu-0-r0"]
+    again = sched.plan(make_host(1), request(in_progress=assigned(first)), NOW + 1, crowd=4000)
+    assert again.assignments == []
+    assert again.held_back == 3999
+    assert again.room > 0  # it may wait for new work meanwhile
+
+
 def test_a_quorum_products_share_counts_its_replicas():
     """Four work units of two replicas each, a crowd of four: each host may hold two of the
     eight results, one replica each of two work units."""
