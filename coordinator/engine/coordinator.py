@@ -98,7 +98,7 @@ class Coordinator:
         self.progress.waiting = lambda: self.waiting.current
         self.requests.why_waiting = self.waiting.note
         self.requests.between_products = lambda: self.products.between
-        self.requests.crowd = lambda now: self.crowd.crowd(now).hosts
+        self.requests.crowd = self.crowd.hosts
         self.reports.reported = self.requests.reported
         self.ledger.on_unsent = self.requests.signal_work
         self.ledger.on_promise = self.passes.wake

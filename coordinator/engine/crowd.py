@@ -69,6 +69,17 @@ class CrowdWatch:
 
     def crowd(self, now: float) -> Crowd:
         overhead, per_byte = self.cost(now)
+        seen = self._look(now)
+        return Crowd(seen.hosts, seen.gflops, overhead, seen.memory_bytes, per_byte)
+
+    def hosts(self, now: float) -> int:
+        """How many hosts the crowd has (at least 1), without fitting a tile's cost: asked
+        by every work request (rules/scheduler.py, a host's share of a product)."""
+        return self._look(now).hosts
+
+    def _look(self, now: float) -> Crowd:
+        """The hosts in recent contact, looked at again at most every REMEMBER seconds (the
+        cost fields of what it returns are not filled in)."""
         if self._hosts is None or now - self._hosts[0] >= REMEMBER:
             hosts = [
                 h
@@ -79,9 +90,8 @@ class CrowdWatch:
             looked = Crowd(
                 hosts=max(len(hosts), 1),
                 gflops=statistics.median(h.gflops for h in hosts) if hosts else 1.0,
-                overhead=overhead,
+                overhead=0.0,
                 memory_bytes=min(memory, default=0),
             )
             self._hosts = (now, looked)
-        seen = self._hosts[1]
-        return Crowd(seen.hosts, seen.gflops, overhead, seen.memory_bytes, per_byte)
+        return self._hosts[1]
