@@ -486,8 +486,8 @@ async def test_a_crowd_larger_than_the_work_is_asked_to_spread_its_asks(tmp_path
 async def test_a_host_asking_alone_takes_its_share_of_a_product_not_all_of_it(tmp_path, rng):
     """Four hosts in contact, of eight threads each, one asking for up to 16 results of a
     product of 16 tiles while the others are busy: it gets its share, four, not all sixteen
-    it asked for (its quota allows them). Each of the others, asking after, gets four too: the product is
-    spread over all of them rather than queued on the first."""
+    it asked for (its quota allows them). Each of the others, asking after, gets four too:
+    the product is spread over all of them rather than queued on the first."""
     async with crowd(tmp_path, 0) as (co, _, _):
         register = co.hosts.register
         hosts = [
