@@ -30,9 +30,10 @@ class Ledger:
 
     The coordinator is one asyncio task set: records change only between awaits, and
     `flush` commits queued changes in order. A reply that promises something (assignments,
-    a report accepted) asks for its commit with `commit_soon`, and the passes make it next:
-    what the database holds is never ahead of what was decided, and lags what was promised
-    by at most one pass.
+    a report accepted) asks for its commit with `commit_soon`, and the passes make it within
+    a few milliseconds, with the promises of the replies that left meanwhile: what the
+    database holds is never ahead of what was decided, and lags what was promised by at
+    most that window or a pass.
     """
 
     def __init__(self, store: Store) -> None:
@@ -63,7 +64,9 @@ class Ledger:
         self.invalid_count = 0
         self._batch = Batch()
         self._queued_since: float | None = None  # monotonic time of the oldest queued change
-        self._promised = False  # a reply has left that promises what is queued (commit_soon)
+        # Monotonic time of the first reply since the last commit that promised what is
+        # queued (commit_soon), or None.
+        self._promised: float | None = None
         self._committing = Batch()  # the batch of the commit under way (empty if none)
         self._lock = asyncio.Lock()
         self.on_unsent: Callable[[], None] | None = None  # new work for waiting hosts
@@ -269,23 +272,26 @@ class Ledger:
         commit under way."""
         return gemm_id in self._batch.gemms or gemm_id in self._committing.gemms
 
-    def commit_due_in(self, window: float) -> float:
-        """Seconds until the oldest queued change has waited `window` (0: overdue; inf:
-        nothing is queued)."""
+    def commit_due_in(self, window: float, promised_window: float = 0.0) -> float:
+        """Seconds until the oldest queued change has waited `window`, or the first promise
+        of what is queued `promised_window` (0: overdue; inf: nothing is queued)."""
         if self._queued_since is None:
             return math.inf
-        if self._promised:
-            return 0.0
-        return max(0.0, self._queued_since + window - time.monotonic())
+        due = self._queued_since + window
+        if self._promised is not None:
+            due = min(due, self._promised + promised_window)
+        return max(0.0, due - time.monotonic())
 
     def commit_soon(self) -> None:
         """A reply is leaving that promises what is queued (assignments, reports accepted):
-        the passes commit it next, right after the reply instead of before it, so a host
-        waits for its work on nobody's commit. A kill in between loses that one promise and
-        nothing committed (docs/architecture.md, "Durability")."""
+        the passes commit it shortly after the reply instead of before it, so a host waits
+        for its work on nobody's commit, together with what the replies leaving in the next
+        few milliseconds promise (engine/passes.py, PROMISE_WINDOW). A kill in between
+        loses those promises and nothing committed (docs/architecture.md, "Durability")."""
         if self._queued_since is None:
             return
-        self._promised = True
+        if self._promised is None:
+            self._promised = time.monotonic()
         if self.on_promise is not None:
             self.on_promise()
 
@@ -294,7 +300,7 @@ class Ledger:
         async with self._lock:
             batch, self._batch = self._batch, Batch()
             self._queued_since = None
-            self._promised = False
+            self._promised = None
             if not batch:
                 return
             self._committing = batch

@@ -197,6 +197,7 @@ async def test_work_given_back_goes_out_again_and_costs_the_host_nothing(server)
         assert (record.error_count, record.max_in_progress) == (0, 4)
         taken = (await bob.request_work("b1", capacity=9, wait=False))["assignments"]
         assert assignment["wu_id"] in {a["wu_id"] for a in taken}
+    await co.ledger.flush()  # the replies' promises, committed a few milliseconds after them
     events = await co.store.events(kind="result")
     assert any(e.state == "abandoned" and e.result_id == result_id for e in events)
 

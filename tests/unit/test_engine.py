@@ -10,6 +10,7 @@ import contextlib
 import dataclasses
 import gzip
 import json
+import math
 import re
 import time
 
@@ -629,6 +630,34 @@ async def test_a_commit_cancelled_half_way_still_lands(tmp_path):
     with contextlib.suppress(asyncio.CancelledError):
         await flushing
     assert [e.message for e in await store.events()] == ["decided just before the stop"]
+
+
+def test_the_promises_of_replies_a_few_milliseconds_apart_share_one_commit(monkeypatch):
+    """A reply's promise is due PROMISE_WINDOW after it leaves, and the replies leaving
+    meanwhile join that commit without putting it off: a tiny-gpt product's assignment,
+    report and verdict share one transaction instead of taking one each."""
+    from coordinator.engine.passes import COMMIT_WINDOW, PROMISE_WINDOW
+    from coordinator.state import ledger as ledgers
+    from coordinator.work.events import Event
+
+    clock = [100.0]
+    monkeypatch.setattr(ledgers.time, "monotonic", lambda: clock[0])
+    ledger = ledgers.Ledger(MemoryStore())
+
+    def due() -> float:
+        return ledger.commit_due_in(COMMIT_WINDOW, PROMISE_WINDOW)
+
+    assert due() == math.inf  # nothing queued
+    ledger.log([Event(1.0, "result", "in_progress", "a pass's decision")])
+    assert due() == pytest.approx(COMMIT_WINDOW)  # decided, promised to nobody
+    ledger.commit_soon()  # the first reply that promises it leaves
+    assert due() == pytest.approx(PROMISE_WINDOW)
+    clock[0] += PROMISE_WINDOW / 2
+    ledger.log([Event(1.0, "result", "over", "a report accepted")])
+    ledger.commit_soon()  # a second reply, half a window later: the same commit
+    assert due() == pytest.approx(PROMISE_WINDOW / 2)
+    clock[0] = 100.0 + PROMISE_WINDOW  # the first promise's window is over
+    assert due() == 0
 
 
 async def test_a_checkpoint_purges_earlier_steps_and_archives_their_events(tmp_path, rng):
