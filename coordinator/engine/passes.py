@@ -45,8 +45,8 @@ log = logging.getLogger(__name__)
 COMMIT_WINDOW = 0.1  # seconds
 # What a reply promised (Ledger.commit_soon) is committed this long after the first such
 # reply, with what the replies leaving meanwhile promise: a tiny-gpt product's assignment,
-# report and verdict then mostly share one transaction (13 commits a step instead of 34,
-# and a result's row written once instead of two or three times). A kill loses the
+# report and verdict then mostly share one transaction, and its rows are written once in
+# it: 11 commits and 163 statements a step instead of 34 and 381. A kill loses the
 # promises of at most this window, as it lost the one of a pass before.
 PROMISE_WINDOW = 0.01  # seconds
 
