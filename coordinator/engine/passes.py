@@ -46,8 +46,9 @@ COMMIT_WINDOW = 0.1  # seconds
 # What a reply promised (Ledger.commit_soon) is committed this long after the first such
 # reply, with what the replies leaving meanwhile promise: a tiny-gpt product's assignment,
 # report and verdict then mostly share one transaction, and its rows are written once in
-# it: 11 commits and 163 statements a step instead of 34 and 381. A kill loses the
-# promises of at most this window, as it lost the one of a pass before.
+# it: 11 commits and 163 statements a step instead of 34 and 381. A kill loses what the
+# replies of at most this window (and the rest of a pass under way) promised; before, it
+# lost what the replies during one pass promised.
 PROMISE_WINDOW = 0.01  # seconds
 
 
@@ -113,7 +114,7 @@ class Passes:
 
     async def step(self, now: float) -> None:
         """One pass: validate what arrived, move due work units on, assimilate; commit what
-        has waited COMMIT_WINDOW."""
+        has waited COMMIT_WINDOW, or was promised PROMISE_WINDOW ago."""
         # A pass awaits (Freivalds, reading tiles, commits) between looking at a work unit
         # and changing it; an operator's cancel must not land in between.
         async with self.lock:

@@ -33,7 +33,7 @@ class Ledger:
     a report accepted) asks for its commit with `commit_soon`, and the passes make it within
     a few milliseconds, with the promises of the replies that left meanwhile: what the
     database holds is never ahead of what was decided, and lags what was promised by at
-    most that window or a pass.
+    most that window and the rest of a pass under way when it ends.
     """
 
     def __init__(self, store: Store) -> None:
@@ -70,7 +70,7 @@ class Ledger:
         self._committing = Batch()  # the batch of the commit under way (empty if none)
         self._lock = asyncio.Lock()
         self.on_unsent: Callable[[], None] | None = None  # new work for waiting hosts
-        self.on_promise: Callable[[], None] | None = None  # the passes: commit what is promised
+        self.on_promise: Callable[[], None] | None = None  # the passes: a commit is due soon
         # The latest results reported (host, sent, received, outcome): the dashboard's task
         # stream. Bounded: it is a view, not a record (the store has every result).
         self.reported: deque[tuple[int, float, float, str]] = deque(maxlen=REPORTED_KEPT)
@@ -288,10 +288,9 @@ class Ledger:
         for its work on nobody's commit, together with what the replies leaving in the next
         few milliseconds promise (engine/passes.py, PROMISE_WINDOW). A kill in between
         loses those promises and nothing committed (docs/architecture.md, "Durability")."""
-        if self._queued_since is None:
-            return
-        if self._promised is None:
-            self._promised = time.monotonic()
+        if self._queued_since is None or self._promised is not None:
+            return  # nothing to commit, or the commit is already due at the first promise
+        self._promised = time.monotonic()
         if self.on_promise is not None:
             self.on_promise()
 

@@ -338,8 +338,8 @@ async def test_a_report_that_asks_for_work_is_committed_with_the_answer_just_aft
     tmp_path, rng, monkeypatch
 ):
     """A report that asks for more work is committed with the answer to that ask, in one
-    transaction, by the passes as soon as the reply has gone: the host does not wait for
-    the commit, and the database holds the report a moment later."""
+    transaction, by the passes within PROMISE_WINDOW of the reply: the host does not wait
+    for the commit, and the database holds the report a moment later."""
     monkeypatch.setattr(coordinator_module, "WAIT_CHECK_EVERY", 3600.0)  # it commits too
     ask = {"request_id": "w2", "capacity": 1, "cached": [], "in_progress": [], "wait": False}
     async with running(tmp_path, tile=16, policy=Policy.FREIVALDS) as (co, _queue, url):

@@ -13,6 +13,7 @@ import json
 import math
 import re
 import time
+import types
 
 import msgpack
 import numpy as np
@@ -632,16 +633,17 @@ async def test_a_commit_cancelled_half_way_still_lands(tmp_path):
     assert [e.message for e in await store.events()] == ["decided just before the stop"]
 
 
-def test_the_promises_of_replies_a_few_milliseconds_apart_share_one_commit(monkeypatch):
+async def test_the_promises_of_replies_a_few_milliseconds_apart_share_one_commit(monkeypatch):
     """A reply's promise is due PROMISE_WINDOW after it leaves, and the replies leaving
-    meanwhile join that commit without putting it off: a tiny-gpt product's assignment,
-    report and verdict share one transaction instead of taking one each."""
+    meanwhile join that commit without putting it off; after the commit, the next promise
+    opens a window of its own."""
     from coordinator.engine.passes import COMMIT_WINDOW, PROMISE_WINDOW
     from coordinator.state import ledger as ledgers
     from coordinator.work.events import Event
 
     clock = [100.0]
-    monkeypatch.setattr(ledgers.time, "monotonic", lambda: clock[0])
+    # The ledger's clock only: the event loop keeps the real one.
+    monkeypatch.setattr(ledgers, "time", types.SimpleNamespace(monotonic=lambda: clock[0]))
     ledger = ledgers.Ledger(MemoryStore())
 
     def due() -> float:
@@ -658,6 +660,54 @@ def test_the_promises_of_replies_a_few_milliseconds_apart_share_one_commit(monke
     assert due() == pytest.approx(PROMISE_WINDOW / 2)
     clock[0] = 100.0 + PROMISE_WINDOW  # the first promise's window is over
     assert due() == 0
+    await ledger.flush()
+    assert due() == math.inf
+    ledger.log([Event(1.0, "result", "in_progress", "the next reply's assignment")])
+    ledger.commit_soon()  # a new window from this promise, not the last commit's
+    assert due() == pytest.approx(PROMISE_WINDOW)
+
+
+async def test_a_reply_promising_work_is_committed_after_the_window_not_by_the_next_pass(
+    tmp_path, rng, monkeypatch
+):
+    """Two hosts given work one after the other: the pass each reply wakes commits
+    nothing, and once the window of the first reply is over, one commit holds both
+    assignments."""
+    from coordinator.engine import passes
+
+    monkeypatch.setattr(passes, "PROMISE_WINDOW", 0.5)
+    async with crowd(tmp_path, 2) as (co, hosts, ask):
+        pending = asyncio.create_task(co.products.matmul(*operands(rng, 32, 16, 8, False, False)))
+        await wait_until(lambda: len(co.ledger.unsent) == 2)
+        await co.ledger.flush()  # the product's publication
+        commits: list = []
+        commit = co.store.commit
+
+        async def counted(batch):
+            commits.append(batch)
+            await commit(batch)
+
+        monkeypatch.setattr(co.store, "commit", counted)
+        passed = asyncio.Event()
+        after_pass = co.passes.after_pass
+
+        def noted(now: float) -> None:
+            after_pass(now)
+            passed.set()
+
+        co.passes.after_pass = noted
+        first = (await ask(hosts[0], "a"))["assignments"]
+        passed.clear()
+        await passed.wait()  # the pass the promise woke
+        assert commits == [], "the next pass committed the promise"
+        second = (await ask(hosts[1], "b"))["assignments"]
+        await wait_until(lambda: commits)
+        assert len(commits) == 1
+        given = {a["result_id"] for a in first + second}
+        assert len(given) == 2 and given <= set(commits[0].results)
+        pending.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await pending
 
 
 async def test_a_checkpoint_purges_earlier_steps_and_archives_their_events(tmp_path, rng):
