@@ -675,7 +675,9 @@ async def test_a_reply_promising_work_is_committed_after_the_window_not_by_the_n
     assignments."""
     from coordinator.engine import passes
 
-    monkeypatch.setattr(passes, "PROMISE_WINDOW", 0.5)
+    # Both windows long beside a pass, for a slow CI (a commit is due at the sooner).
+    monkeypatch.setattr(passes, "PROMISE_WINDOW", 1.0)
+    monkeypatch.setattr(passes, "COMMIT_WINDOW", 2.0)
     async with crowd(tmp_path, 2) as (co, hosts, ask):
         pending = asyncio.create_task(co.products.matmul(*operands(rng, 32, 16, 8, False, False)))
         await wait_until(lambda: len(co.ledger.unsent) == 2)
@@ -688,17 +690,22 @@ async def test_a_reply_promising_work_is_committed_after_the_window_not_by_the_n
             await commit(batch)
 
         monkeypatch.setattr(co.store, "commit", counted)
-        passed = asyncio.Event()
-        after_pass = co.passes.after_pass
+        passes_run: list[float] = []
+        promised_after: list[int] = []  # passes run when each promise woke the passes
+        after_pass, on_promise = co.passes.after_pass, co.ledger.on_promise
 
         def noted(now: float) -> None:
             after_pass(now)
-            passed.set()
+            passes_run.append(now)
 
-        co.passes.after_pass = noted
+        def promised() -> None:
+            promised_after.append(len(passes_run))
+            on_promise()
+
+        co.passes.after_pass, co.ledger.on_promise = noted, promised
         first = (await ask(hosts[0], "a"))["assignments"]
-        passed.clear()
-        await passed.wait()  # the pass the promise woke
+        # The pass the promise woke (its commit, if any, follows before it yields).
+        await wait_until(lambda: promised_after and len(passes_run) > promised_after[0])
         assert commits == [], "the next pass committed the promise"
         second = (await ask(hosts[1], "b"))["assignments"]
         await wait_until(lambda: commits)
