@@ -272,7 +272,7 @@ class Ledger:
         commit under way."""
         return gemm_id in self._batch.gemms or gemm_id in self._committing.gemms
 
-    def commit_due_in(self, window: float, promised_window: float = 0.0) -> float:
+    def commit_due_in(self, window: float, promised_window: float) -> float:
         """Seconds until the oldest queued change has waited `window`, or the first promise
         of what is queued `promised_window` (0: overdue; inf: nothing is queued)."""
         if self._queued_since is None:
