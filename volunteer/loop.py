@@ -35,6 +35,7 @@ from volunteer.policy import (
     ask_ahead,
     capacity,
     memory_refusal,
+    operand_blobs,
     report_batch,
     report_due,
     room_to_compute,
@@ -398,7 +399,7 @@ class PullLoop(CoordinatorSession):
             if job.operands is not None:
                 continue
             assignment = job.assignment
-            sizes = {assignment["a"]: assignment["a_bytes"], assignment["b"]: assignment["b_bytes"]}
+            sizes = dict(operand_blobs(assignment, "a") + operand_blobs(assignment, "b"))
             if 0 in sizes.values() or not self.cache.pin(sizes):
                 return
             job.pinned = tuple(sizes)
@@ -417,7 +418,12 @@ class PullLoop(CoordinatorSession):
         cost that tile a download."""
         if not isinstance(panels, list):
             return
-        queued = {job.assignment[side] for job in self.queue for side in ("a", "b")}
+        queued = {
+            blob
+            for job in self.queue
+            for side in ("a", "b")
+            for blob, _ in operand_blobs(job.assignment, side)
+        }
         for blob_id in panels:
             if isinstance(blob_id, str) and blob_id not in queued:
                 self.cache.drop(blob_id)
@@ -437,20 +443,27 @@ class PullLoop(CoordinatorSession):
 
     # ---- operands, compute, reports -------------------------------------------------------
 
-    async def _operands(self, assignment: dict[str, Any]) -> list[bytes]:
-        blobs = []
+    async def _operands(self, assignment: dict[str, Any]) -> list[Buffer | list[Buffer]]:
+        """Both operands' blobs: each one blob, or the list of a stacked panel's blobs."""
+        operands: list[Buffer | list[Buffer]] = []
         for key in ("a", "b"):
-            blob_id = assignment[key]
-            data = self.cache.get(blob_id, count=False)
-            # A panel another queued tile is already downloading costs this one nothing.
-            self.cache.count(hit=data is not None or self.downloads.running(blob_id))
-            if data is None:
-                limit = assignment[f"{key}_bytes"] or self.budget or UNSIZED_BLOB
-                data = await self.downloads.get(
-                    blob_id, functools.partial(self._download, blob_id, limit)
-                )
-            blobs.append(data)
-        return blobs
+            blobs = [
+                await self._operand(blob_id, size)
+                for blob_id, size in operand_blobs(assignment, key)
+            ]
+            operands.append(blobs if isinstance(assignment[key], list) else blobs[0])
+        return operands
+
+    async def _operand(self, blob_id: str, size: int) -> Buffer:
+        data = self.cache.get(blob_id, count=False)
+        # A panel another queued tile is already downloading costs this one nothing.
+        self.cache.count(hit=data is not None or self.downloads.running(blob_id))
+        if data is None:
+            limit = size or self.budget or UNSIZED_BLOB
+            data = await self.downloads.get(
+                blob_id, functools.partial(self._download, blob_id, limit)
+            )
+        return data
 
     async def _download(self, blob_id: str, limit: int) -> Buffer:
         data = await self._fetch(blob_id, limit)

@@ -358,3 +358,60 @@ async def test_a_session_ending_while_a_tile_waits_for_its_operands_gives_it_bac
     loop.cancel()
     await asyncio.gather(*fetching, return_exceptions=True)
     assert cache.pinned_bytes == 0
+
+
+class StackedTile:
+    """A coordinator whose first answer is one tile of a weight's gradient over two
+    micro-batches: X^T dY with X and dY each two blobs stacked along k, the first X sent
+    inside the answer and the rest to fetch."""
+
+    url = "http://coordinator.invalid"
+    token = "token"
+
+    def __init__(self) -> None:
+        rng = np.random.default_rng(3)
+        self.x = [rng.standard_normal((k, 8), np.float32) for k in (5, 7)]
+        self.dy = [rng.standard_normal((k, 6), np.float32) for k in (5, 7)]
+        encoded = [kernels.encode_array(p) for p in (*self.x, *self.dy)]
+        self.blobs = {kernels.blob_id(blob): blob for blob in encoded}
+        ids = list(self.blobs)
+        self.tile = {
+            **NothingAfterTwoTiles._assignment("r0", ids[:2], ids[2:]),
+            **{"m": 8, "n": 6, "k": 12, "trans_a": True},
+            **{"a_bytes": [len(b) for b in encoded[:2]], "b_bytes": [len(b) for b in encoded[2:]]},
+        }
+        self.inline = {ids[0]: encoded[0]}
+        self.fetched: list[str] = []
+        self.asks = 0
+        self.tiles: dict[str, bytes] = {}
+
+    async def request_work(self, request_id: str, **message: Any) -> dict[str, Any]:
+        self.asks += 1
+        if self.asks == 1:
+            return {"assignments": [self.tile], "blobs": self.inline}
+        return {"assignments": [], "delay": 0.0}
+
+    async def fetch_blob(self, blob_id: str, max_bytes: int) -> bytes:
+        assert len(self.blobs[blob_id]) <= max_bytes
+        self.fetched.append(blob_id)
+        return self.blobs[blob_id]
+
+    async def report(self, batch: list[dict[str, Any]], work: dict | None) -> dict[str, Any]:
+        self.tiles.update((r["result_id"], bytes(r["tile"])) for r in batch)
+        answer: dict[str, Any] = {"results": [{"result_id": r["result_id"]} for r in batch]}
+        if work is not None:
+            answer["work"] = await self.request_work(**work)
+        return answer
+
+
+async def test_a_tile_stacked_along_k_is_the_product_of_its_blobs_stacked_in_order():
+    """The volunteer reads every blob of a stacked operand, the one it holds from the cache
+    and each other once from the coordinator, and computes over the whole k."""
+    coordinator = StackedTile()
+    await run_until(coordinator, lambda: "r0" in coordinator.tiles)
+    expected = kernels.gemm(
+        np.concatenate(coordinator.x), np.concatenate(coordinator.dy), trans_a=True
+    )
+    tile = kernels.decode_array(coordinator.tiles["r0"])
+    assert tile.tobytes() == expected.tobytes()
+    assert sorted(coordinator.fetched) == sorted(list(coordinator.blobs)[1:])
