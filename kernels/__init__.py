@@ -1,7 +1,7 @@
 """Deterministic compute for tilehive: the GEMM kernel, its numpy twin, content hashing, and
 the framed messages that carry blobs uncopied (kernels/frames.py)."""
 
-from kernels.gemm import batched_gemm, gemm, kernel_name, stack_along_k
+from kernels.gemm import batched_gemm, gemm, kernel_name
 from kernels.hashing import (
     BlobDecodeError,
     BlobMismatchError,
@@ -34,6 +34,5 @@ __all__ = [
     "is_blob_id",
     "is_float32_blob",
     "kernel_name",
-    "stack_along_k",
     "verify_blob",
 ]

@@ -39,19 +39,6 @@ def row_splits(m: int, parts: int, align: int) -> list[tuple[int, int]]:
     return [(start, min(m, start + chunk)) for start in range(0, m, chunk)]
 
 
-def stack_along_k(parts: list[np.ndarray], *, trans: bool, operand: str) -> np.ndarray:
-    """One operand from parts that split its k in order: A = [A_1 A_2 ...] (stacked as rows
-    when transposed), B = [B_1; B_2; ...] (as columns when transposed). A product of stacked
-    operands sums over every part's k in one reduction, so the bits are those of the same
-    product of the whole operands, however they were split. One part is returned as is."""
-    if len(parts) == 1:
-        return parts[0]
-    if operand not in ("a", "b"):
-        raise ValueError(f"operand must be 'a' or 'b', got {operand!r}")
-    k_axis = (0 if trans else 1) if operand == "a" else (1 if trans else 0)
-    return np.concatenate(parts, axis=k_axis)
-
-
 def gemm(
     a: np.ndarray,
     b: np.ndarray,

@@ -13,7 +13,6 @@ import numpy as np
 
 import kernels
 from volunteer.client import CoordinatorClient, ServerRefused, compute_tile
-from volunteer.policy import operand_blobs
 
 MAX_BLOB = 64 << 20
 
@@ -172,18 +171,16 @@ class Liar:
     async def _compute(self, client: CoordinatorClient, assignment: dict) -> Computed | None:
         blobs = []
         for key in ("a", "b"):
-            side = []
-            for blob_id, _ in operand_blobs(assignment, key):
-                if blob_id not in self.cache:
-                    try:
-                        data = await client.fetch_blob(blob_id, max_bytes=MAX_BLOB)
-                    except ServerRefused as exc:
-                        if exc.status == 410:
-                            return None
-                        raise
-                    self.cache[blob_id] = data
-                side.append(self.cache[blob_id])
-            blobs.append(side if isinstance(assignment[key], list) else side[0])
+            blob_id = assignment[key]
+            if blob_id not in self.cache:
+                try:
+                    data = await client.fetch_blob(blob_id, max_bytes=MAX_BLOB)
+                except ServerRefused as exc:
+                    if exc.status == 410:
+                        return None
+                    raise
+                self.cache[blob_id] = data
+            blobs.append(self.cache[blob_id])
         _, tile = compute_tile(assignment, *blobs)
         return Computed(self.registry.epoch, assignment["wu_id"], bytes(tile))
 

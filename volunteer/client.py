@@ -363,20 +363,19 @@ async def fill(stream: aiohttp.StreamReader, buffers: list[memoryview]) -> None:
 
 def compute_tile(
     assignment: dict[str, Any],
-    a_blob: frames.Buffer | list[frames.Buffer],
-    b_blob: frames.Buffer | list[frames.Buffer],
+    a_blob: frames.Buffer,
+    b_blob: frames.Buffer,
     *,
     threads: int = 1,
     hashed: bool = True,
 ) -> tuple[str | None, memoryview]:
-    """The output tile of an assignment as (hash, blob), from verified operand blobs (a
-    list of them for a panel stacked along k, stacked here in order); the kernel writes
-    the tile into its blob. Without `hashed` the hash is None: a tile that is uploaded is
-    hashed by the coordinator, and hashing it here too would only delay it."""
+    """The output tile of an assignment as (hash, blob), from verified operand blobs; the
+    kernel writes the tile into its blob. Without `hashed` the hash is None: a tile that is
+    uploaded is hashed by the coordinator, and hashing it here too would only delay it."""
+    a = kernels.decode_array(a_blob)
+    b = kernels.decode_array(b_blob)
     m, n, k = assignment["m"], assignment["n"], assignment["k"]
     trans_a, trans_b = bool(assignment["trans_a"]), bool(assignment["trans_b"])
-    a = _operand(a_blob, trans_a, "a")
-    b = _operand(b_blob, trans_b, "b")
     expect_a = (k, m) if trans_a else (m, k)
     expect_b = (n, k) if trans_b else (k, n)
     if a.dtype != np.float32 or b.dtype != np.float32 or a.shape != expect_a or b.shape != expect_b:
@@ -394,12 +393,3 @@ def compute_tile(
         threads=threads,
     )
     return (kernels.blob_id(blob) if hashed else None), blob
-
-
-def _operand(blob: frames.Buffer | list[frames.Buffer], trans: bool, side: str) -> np.ndarray:
-    """An operand from its blob, or from a stacked panel's blobs (ValueError if they do not
-    stack: compute_tile then checks the shape)."""
-    if not isinstance(blob, list):
-        return kernels.decode_array(blob)
-    parts = [kernels.decode_array(part) for part in blob]
-    return kernels.stack_along_k(parts, trans=trans, operand=side)

@@ -35,7 +35,6 @@ from volunteer.policy import (
     ask_ahead,
     capacity,
     memory_refusal,
-    operand_blobs,
     report_batch,
     report_due,
     room_to_compute,
@@ -399,7 +398,7 @@ class PullLoop(CoordinatorSession):
             if job.operands is not None:
                 continue
             assignment = job.assignment
-            sizes = dict(operand_blobs(assignment, "a") + operand_blobs(assignment, "b"))
+            sizes = {assignment["a"]: assignment["a_bytes"], assignment["b"]: assignment["b_bytes"]}
             if 0 in sizes.values() or not self.cache.pin(sizes):
                 return
             job.pinned = tuple(sizes)
@@ -418,12 +417,7 @@ class PullLoop(CoordinatorSession):
         cost that tile a download."""
         if not isinstance(panels, list):
             return
-        queued = {
-            blob
-            for job in self.queue
-            for side in ("a", "b")
-            for blob, _ in operand_blobs(job.assignment, side)
-        }
+        queued = {job.assignment[side] for job in self.queue for side in ("a", "b")}
         for blob_id in panels:
             if isinstance(blob_id, str) and blob_id not in queued:
                 self.cache.drop(blob_id)
@@ -443,27 +437,20 @@ class PullLoop(CoordinatorSession):
 
     # ---- operands, compute, reports -------------------------------------------------------
 
-    async def _operands(self, assignment: dict[str, Any]) -> list[Buffer | list[Buffer]]:
-        """Both operands' blobs: each one blob, or the list of a stacked panel's blobs."""
-        operands: list[Buffer | list[Buffer]] = []
+    async def _operands(self, assignment: dict[str, Any]) -> list[bytes]:
+        blobs = []
         for key in ("a", "b"):
-            blobs = [
-                await self._operand(blob_id, size)
-                for blob_id, size in operand_blobs(assignment, key)
-            ]
-            operands.append(blobs if isinstance(assignment[key], list) else blobs[0])
-        return operands
-
-    async def _operand(self, blob_id: str, size: int) -> Buffer:
-        data = self.cache.get(blob_id, count=False)
-        # A panel another queued tile is already downloading costs this one nothing.
-        self.cache.count(hit=data is not None or self.downloads.running(blob_id))
-        if data is None:
-            limit = size or self.budget or UNSIZED_BLOB
-            data = await self.downloads.get(
-                blob_id, functools.partial(self._download, blob_id, limit)
-            )
-        return data
+            blob_id = assignment[key]
+            data = self.cache.get(blob_id, count=False)
+            # A panel another queued tile is already downloading costs this one nothing.
+            self.cache.count(hit=data is not None or self.downloads.running(blob_id))
+            if data is None:
+                limit = assignment[f"{key}_bytes"] or self.budget or UNSIZED_BLOB
+                data = await self.downloads.get(
+                    blob_id, functools.partial(self._download, blob_id, limit)
+                )
+            blobs.append(data)
+        return blobs
 
     async def _download(self, blob_id: str, limit: int) -> Buffer:
         data = await self._fetch(blob_id, limit)

@@ -87,26 +87,6 @@ def tile_memory(assignment: dict[str, Any], threads: int) -> int:
     return 3 * output_bytes(assignment) + threads * WORKSPACE_PER_THREAD
 
 
-def operand_blobs(assignment: dict[str, Any], side: str) -> list[tuple[str, int]]:
-    """An assignment's operand on `side` ("a" or "b") as (blob id, bytes): one blob, or, for
-    a panel stacked along k, each of its blobs in order (docs/protocol.md)."""
-    named, sizes = assignment[side], assignment[f"{side}_bytes"]
-    if isinstance(named, list):
-        return list(zip(named, sizes, strict=True))
-    return [(named, sizes)]
-
-
-def operand_bytes(assignment: dict[str, Any]) -> int:
-    """Bytes an assignment's operands take in memory while it computes: their blobs, and
-    a stacked panel's copy stacked for the kernel besides."""
-    total = 0
-    for side in ("a", "b"):
-        blobs = operand_blobs(assignment, side)
-        size = sum(n for _, n in blobs)
-        total += 2 * size if len(blobs) > 1 else size
-    return total
-
-
 def output_bytes(assignment: dict[str, Any]) -> int:
     """The bytes of an assignment's float32 output tile."""
     return 4 * assignment["m"] * assignment["n"]
@@ -151,7 +131,7 @@ def memory_refusal(assignment: dict[str, Any], threads: int, budget: int | None,
     in words naming the `limit`; "" if it fits or there is no budget."""
     if budget is None:
         return ""
-    need = tile_memory(assignment, threads) + operand_bytes(assignment)
+    need = tile_memory(assignment, threads) + assignment["a_bytes"] + assignment["b_bytes"]
     if need <= budget // 2:
         return ""
     return (

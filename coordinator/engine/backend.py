@@ -54,8 +54,8 @@ class VolunteerBackend:
 
     async def matmul(self, a, b, *, trans_a: bool, trans_b: bool, label: str) -> np.ndarray:
         product = self.products.matmul(
-            _float32(a),
-            _float32(b),
+            np.ascontiguousarray(a, dtype=np.float32),
+            np.ascontiguousarray(b, dtype=np.float32),
             trans_a=trans_a,
             trans_b=trans_b,
             step=self.step,
@@ -66,14 +66,6 @@ class VolunteerBackend:
         return await on_loop(product, self.loop)
 
     batched = staticmethod(batched_gemm)
-
-
-def _float32(x: np.ndarray | list[np.ndarray]) -> np.ndarray | list[np.ndarray]:
-    """An operand, or each part of one stacked along k, as contiguous float32 (the very
-    array when it already is: its id is remembered, engine/operands.py)."""
-    if isinstance(x, list):
-        return [np.ascontiguousarray(part, dtype=np.float32) for part in x]
-    return np.ascontiguousarray(x, dtype=np.float32)
 
 
 def on_loop(coroutine: Coroutine[Any, Any, T], loop: asyncio.AbstractEventLoop) -> Awaitable[T]:

@@ -30,7 +30,7 @@ from coordinator.rules.scheduler import Scheduler
 from coordinator.state.blobs import BlobStore
 from coordinator.state.ledger import Ledger
 from coordinator.state.store import Store
-from coordinator.work.records import GemmState, WuState, wu_blobs
+from coordinator.work.records import GemmState, WuState
 from kernels import nn
 
 __all__ = ["Coordinator", "CoordinatorConfig", "GemmFailed", "GemmOutput"]
@@ -123,7 +123,7 @@ class Coordinator:
         for wu in snapshot.workunits:
             if wu.state is WuState.ACTIVE:
                 self.passes.to_validate.add(wu.id)
-            for panel in wu_blobs(wu):
+            for panel in (wu.a_panel, wu.b_panel):
                 size = self.ledger.panel_bytes.get(panel)
                 if size is None and self.blobs.has(panel):
                     size = self.blobs.size(panel)

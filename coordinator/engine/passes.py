@@ -18,7 +18,6 @@ from coordinator.engine.config import CoordinatorConfig
 from coordinator.engine.metrics import Metrics
 from coordinator.engine.offload import offload
 from coordinator.engine.products import Products
-from coordinator.engine.recovery import operand_panels, read_panel
 from coordinator.engine.reports import quarantine_event
 from coordinator.rules import sizing, trust, validator
 from coordinator.rules.transitioner import transition
@@ -182,8 +181,12 @@ class Passes:
         wu = self.ledger.wus[wu_id]
 
         def compute() -> str:
-            a, b = operand_panels(self.blobs, wu)
-            tile = kernels.gemm(a, b, trans_a=wu.trans_a, trans_b=wu.trans_b)
+            tile = kernels.gemm(
+                self.blobs.get_array(wu.a_panel),
+                self.blobs.get_array(wu.b_panel),
+                trans_a=wu.trans_a,
+                trans_b=wu.trans_b,
+            )
             blob = self.blobs.put(kernels.encode_array(tile), hold=True)
             self.products.tiles[blob] = tile
             return blob
@@ -285,17 +288,17 @@ class Passes:
     def _freivalds_all(self, wanted: list[tuple[WorkUnit, Result]]) -> dict[str, validator.Check]:
         panels: dict[str, np.ndarray] = {}
 
-        def panel(name: str, trans: bool, operand: str) -> np.ndarray:
-            if name not in panels:
-                panels[name] = read_panel(self.blobs, name, trans=trans, operand=operand)
-            return panels[name]
+        def panel(blob: str) -> np.ndarray:
+            if blob not in panels:
+                panels[blob] = self.blobs.get_array(blob)
+            return panels[blob]
 
         checks = {}
         for wu, result in wanted:
             tile = self.blobs.get_array(result.output_hash)
             checks[result.id] = freivalds.verify(
-                np.ascontiguousarray(panel(wu.a_panel, wu.trans_a, "a")),
-                np.ascontiguousarray(panel(wu.b_panel, wu.trans_b, "b")),
+                np.ascontiguousarray(panel(wu.a_panel)),
+                np.ascontiguousarray(panel(wu.b_panel)),
                 np.ascontiguousarray(tile),
                 trans_a=wu.trans_a,
                 trans_b=wu.trans_b,

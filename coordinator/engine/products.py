@@ -21,7 +21,7 @@ from coordinator.engine.config import CoordinatorConfig
 from coordinator.engine.crowd import CrowdWatch
 from coordinator.engine.offload import copy_in_pieces, offload
 from coordinator.engine.operands import OperandIds
-from coordinator.engine.recovery import PanelCut, canonical_tile, panel_ids, restore_panels
+from coordinator.engine.recovery import canonical_tile, panel_ids, panels, restore_panels
 from coordinator.rules import sizing
 from coordinator.state.blobs import BlobStore
 from coordinator.state.ledger import Ledger
@@ -39,44 +39,16 @@ from coordinator.work.records import (
     WuState,
     gemm_id,
     new_result_id,
-    stacked_panel,
     tile_bounds,
     tile_workunit,
 )
-from kernels.checks import check_gemm_args, op_shape
+from kernels.checks import check_gemm_args
 
 log = logging.getLogger(__name__)
 
 STORAGE_RETRY_MAX = 30.0  # seconds between attempts to store operand panels, at most
 
 FILLED = (WuState.VALIDATED, WuState.ASSIMILATED)
-
-
-def stacked_operands(
-    a: np.ndarray | list[np.ndarray],
-    b: np.ndarray | list[np.ndarray],
-    trans_a: bool,
-    trans_b: bool,
-) -> tuple[list[np.ndarray], list[np.ndarray]]:
-    """A product's operands as lists of parts that split k in the same places (one part
-    each for a plain product), each pair checked as a product of its own."""
-    a_parts = list(a) if isinstance(a, list | tuple) else [a]
-    b_parts = list(b) if isinstance(b, list | tuple) else [b]
-    if not a_parts or len(a_parts) != len(b_parts):
-        raise ValueError(
-            f"a stacked product needs as many parts of a as of b, got {len(a_parts)} "
-            f"and {len(b_parts)}"
-        )
-    checked = [
-        check_gemm_args(x, y, trans_a, trans_b, None, 1)[:2]
-        for x, y in zip(a_parts, b_parts, strict=True)
-    ]
-    outputs = {(op_shape(x, trans_a)[0], op_shape(y, trans_b)[1]) for x, y in checked}
-    if len(outputs) != 1:
-        raise ValueError(
-            f"the parts of a stacked product give outputs of different shapes: {sorted(outputs)}"
-        )
-    return [x for x, _ in checked], [y for _, y in checked]
 
 
 class GemmFailed(RuntimeError):
@@ -155,41 +127,25 @@ class Products:
 
     async def matmul(
         self,
-        a: np.ndarray | list[np.ndarray],
-        b: np.ndarray | list[np.ndarray],
+        a: np.ndarray,
+        b: np.ndarray,
         *,
         trans_a: bool = False,
         trans_b: bool = False,
         step: int = 0,
         label: str = "",
     ) -> np.ndarray:
-        """op(A) @ op(B), its tiles computed by volunteers. A and B may each be given as a
-        list of parts that split k in the same places (kernels.stack_along_k): the
-        product is the sum over every part's k in one reduction, and each tile reads
-        its panel of every part as stored for any other product, so a weight's gradient
-        over all micro-batches is one product of operands already published."""
+        a, b, _ = check_gemm_args(a, b, trans_a, trans_b, None, 1)
         trans_a, trans_b = bool(trans_a), bool(trans_b)
-        a_parts, b_parts = stacked_operands(a, b, trans_a, trans_b)
         config = self.config
-        m = a_parts[0].shape[1] if trans_a else a_parts[0].shape[0]
-        n = b_parts[0].shape[0] if trans_b else b_parts[0].shape[1]
-        k = sum(x.shape[0] if trans_a else x.shape[1] for x in a_parts)
+        m = a.shape[1] if trans_a else a.shape[0]
+        n = b.shape[0] if trans_b else b.shape[1]
+        k = a.shape[0] if trans_a else a.shape[1]
         if m == 0 or n == 0 or k == 0:
-            return kernels.gemm(
-                kernels.stack_along_k(a_parts, trans=trans_a, operand="a"),
-                kernels.stack_along_k(b_parts, trans=trans_b, operand="b"),
-                trans_a=trans_a,
-                trans_b=trans_b,
-            )
+            return kernels.gemm(a, b, trans_a=trans_a, trans_b=trans_b)
         ids = self.operand_ids
-        unknown = sum(x.nbytes for x in (*a_parts, *b_parts) if ids.known(x) is None)
-        a_id, b_id = await offload(
-            lambda: (
-                stacked_panel([ids.hash(x) for x in a_parts]),
-                stacked_panel([ids.hash(x) for x in b_parts]),
-            ),
-            unknown,
-        )
+        unknown = sum(x.nbytes for x in (a, b) if ids.known(x) is None)
+        a_id, b_id = await offload(lambda: (ids.hash(a), ids.hash(b)), unknown)
         describe = functools.partial(
             gemm_id,
             step=step,
@@ -233,7 +189,7 @@ class Products:
                     policy=config.policy,
                     created=now,
                 )
-                await self._publish(gemm, a_parts, b_parts)
+                await self._publish(gemm, a, b)
                 self._sample_between()
             elif gemm.state is GemmState.FAILED:
                 raise GemmFailed(gemm.error)
@@ -246,7 +202,7 @@ class Products:
                 # Made before a restart. Blobs are not synced (docs/architecture.md): after
                 # a kill or a power cut, panels that are gone are stored again from the operands.
                 self.held[gid] += await restore_panels(
-                    self.blobs, self.ledger, self.store, gemm, a_parts, b_parts
+                    self.blobs, self.ledger, self.store, gemm, a, b
                 )
             if gemm.state is GemmState.DONE:
                 # Finished before a restart: the tiles are committed blobs.
@@ -325,36 +281,35 @@ class Products:
         for wu in wus:
             out[wu.i0 : wu.i1, wu.j0 : wu.j1] = canonical_tile(self.blobs, wu)
 
-    async def _publish(
-        self, gemm: Gemm, a_parts: list[np.ndarray], b_parts: list[np.ndarray]
-    ) -> None:
+    async def _publish(self, gemm: Gemm, a: np.ndarray, b: np.ndarray) -> None:
         """Store the operand panels as blobs, then commit the GEMM and its work units."""
 
-        def store_panels() -> tuple[list[str], list[int], PanelCut]:
+        def store_panels() -> tuple[list[str], list[int], int]:
             # Off the event loop when large (offload): cutting an operand copies all of it.
-            cut = PanelCut.of(gemm, a_parts, b_parts)
-            # An operand's panel that is the whole operand (a product in one tile row or
-            # column) is named by the operand's id, already hashed: each blob is hashed once.
-            # One already in memory (a weight both micro-batches multiply, an output
-            # gradient both products of its layer take) is not encoded again.
+            rows, cols = panels(a, b, gemm.trans_a, gemm.trans_b, gemm.tile, gemm.m, gemm.n)
+            # A panel that is its whole operand (a product in one tile row or column) is
+            # named by the operand's id, already hashed: each blob is hashed once.
+            named = [gemm.a_id if len(rows) == 1 else None] * len(rows)
+            named += [gemm.b_id if len(cols) == 1 else None] * len(cols)
+            # A whole operand already in memory (a weight both micro-batches multiply, an
+            # output gradient both products of its layer take) is not encoded again.
             encoded = [
                 (name and self.blobs.in_memory(name)) or kernels.array_blob(p)
-                for p, name in zip(cut.arrays, cut.names, strict=True)
+                for p, name in zip((*rows, *cols), named, strict=True)
             ]
             ids = self.blobs.put_many(
-                list(zip(encoded, cut.names, strict=True)),
+                list(zip(encoded, named, strict=True)),
                 keep=True,
                 verified=True,
                 behind=True,
                 hold=True,
             )
-            return ids, [len(data) for data in encoded], cut
+            return ids, [len(data) for data in encoded], len(rows)
 
         delay = 1.0
         while True:
             try:
-                size = sum(x.nbytes for x in (*a_parts, *b_parts))
-                ids, sizes, cut = await offload(store_panels, size)
+                ids, sizes, row_count = await offload(store_panels, a.nbytes + b.nbytes)
                 break
             except OSError as exc:
                 # Nothing of this GEMM is committed yet: waiting loses nothing, and the step
@@ -370,13 +325,13 @@ class Products:
                 delay = min(2 * delay, STORAGE_RETRY_MAX)
         for panel_id, size in zip(ids, sizes, strict=True):
             self.ledger.add_panel(panel_id, size, gemm.step)
-        row_panels, col_panels = cut.panel_names(ids)
+        row_ids, col_ids = ids[:row_count], ids[row_count:]
         self.held[gemm.id] += ids
         red = self.config.redundancy.for_policy(self.config.policy)
         self.ledger.put_gemm(gemm)
         for bounds in tile_bounds(gemm.m, gemm.n, gemm.tile):
-            a_panel = row_panels[bounds[0] // gemm.tile]
-            b_panel = col_panels[bounds[2] // gemm.tile]
+            a_panel = row_ids[bounds[0] // gemm.tile]
+            b_panel = col_ids[bounds[2] // gemm.tile]
             wu = tile_workunit(gemm, bounds, a_panel, b_panel, red, kernels.KERNEL_VERSION)
             self.ledger.put_wu(wu)
             for _ in range(red.target_nresults):

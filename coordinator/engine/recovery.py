@@ -10,7 +10,6 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Iterable
-from dataclasses import dataclass
 
 import numpy as np
 
@@ -18,15 +17,7 @@ import kernels
 from coordinator.state.blobs import BlobNotFound, BlobStore
 from coordinator.state.ledger import Ledger
 from coordinator.state.store import Store
-from coordinator.work.records import (
-    Gemm,
-    GemmState,
-    WorkUnit,
-    panel_blobs,
-    short_workunit_id,
-    stacked_panel,
-    wu_blobs,
-)
+from coordinator.work.records import Gemm, GemmState, WorkUnit, short_workunit_id
 
 log = logging.getLogger(__name__)
 
@@ -58,58 +49,9 @@ def panels(
     return rows, cols
 
 
-@dataclass(frozen=True)
-class PanelCut:
-    """A product's operand panels, cut from each part of its operands (one part each, but
-    for a product of operands stacked along k): every part's row panels, then every part's
-    column panels. A panel that is its whole part is named by the part's id."""
-
-    arrays: list[np.ndarray]
-    names: list[str | None]
-    parts: int
-    rows: int  # row panels a part
-    cols: int  # column panels a part
-
-    @classmethod
-    def of(cls, gemm: Gemm, a_parts: list[np.ndarray], b_parts: list[np.ndarray]) -> PanelCut:
-        a_cut, b_cut = [], []
-        for a, b in zip(a_parts, b_parts, strict=True):
-            rows, cols = panels(a, b, gemm.trans_a, gemm.trans_b, gemm.tile, gemm.m, gemm.n)
-            a_cut.append(rows)
-            b_cut.append(cols)
-        names: list[str | None] = []
-        for cut, ids in ((a_cut, panel_blobs(gemm.a_id)), (b_cut, panel_blobs(gemm.b_id))):
-            for part, part_id in zip(cut, ids, strict=True):
-                names += [part_id if len(part) == 1 else None] * len(part)
-        arrays = [p for cut in (a_cut, b_cut) for part in cut for p in part]
-        return cls(arrays, names, len(a_parts), len(a_cut[0]), len(b_cut[0]))
-
-    def panel_names(self, ids: list[str]) -> tuple[list[str], list[str]]:
-        """The name of each row panel and each column panel of the whole product, from the
-        blob ids of `arrays` in order: a panel of several parts is their blobs stacked."""
-        a_ids, b_ids = ids[: self.parts * self.rows], ids[self.parts * self.rows :]
-        rows = [a_ids[r :: self.rows] for r in range(self.rows)]
-        cols = [b_ids[c :: self.cols] for c in range(self.cols)]
-        return [stacked_panel(r) for r in rows], [stacked_panel(c) for c in cols]
-
-
 def panel_ids(workunits: Iterable[WorkUnit]) -> list[str]:
-    """The blobs of the operand panels these work units read, each once, in a fixed order."""
-    return sorted({blob for wu in workunits for blob in wu_blobs(wu)})
-
-
-def read_panel(blobs: BlobStore, name: str, *, trans: bool, operand: str) -> np.ndarray:
-    """An operand panel as its kernel reads it: a stacked panel's blobs stacked along k."""
-    parts = [blobs.get_array(blob) for blob in panel_blobs(name)]
-    return kernels.stack_along_k(parts, trans=trans, operand=operand)
-
-
-def operand_panels(blobs: BlobStore, wu: WorkUnit) -> tuple[np.ndarray, np.ndarray]:
-    """A work unit's two operand panels as its kernel reads them."""
-    return (
-        read_panel(blobs, wu.a_panel, trans=wu.trans_a, operand="a"),
-        read_panel(blobs, wu.b_panel, trans=wu.trans_b, operand="b"),
-    )
+    """The operand panels these work units read, each once, in a fixed order."""
+    return sorted({p for wu in workunits for p in (wu.a_panel, wu.b_panel)})
 
 
 def canonical_tile(blobs: BlobStore, wu: WorkUnit) -> np.ndarray:
@@ -123,19 +65,18 @@ def canonical_tile(blobs: BlobStore, wu: WorkUnit) -> np.ndarray:
             wu.canonical_hash[:12],
             short_workunit_id(wu.id),
         )
-        a, b = operand_panels(blobs, wu)
-        tile = kernels.gemm(a, b, trans_a=wu.trans_a, trans_b=wu.trans_b)
+        tile = kernels.gemm(
+            blobs.get_array(wu.a_panel),
+            blobs.get_array(wu.b_panel),
+            trans_a=wu.trans_a,
+            trans_b=wu.trans_b,
+        )
         blobs.put(kernels.encode_array(tile), wu.canonical_hash)
         return tile
 
 
 async def restore_panels(
-    blobs: BlobStore,
-    ledger: Ledger,
-    store: Store,
-    gemm: Gemm,
-    a_parts: list[np.ndarray],
-    b_parts: list[np.ndarray],
+    blobs: BlobStore, ledger: Ledger, store: Store, gemm: Gemm, a: np.ndarray, b: np.ndarray
 ) -> list[str]:
     """Store again, from its operands, the panels of a product made before a restart.
 
@@ -150,8 +91,8 @@ async def restore_panels(
             return needed
 
         def store_panels() -> None:
-            cut = PanelCut.of(gemm, a_parts, b_parts)
-            blobs.put_many([(kernels.array_blob(p), None) for p in cut.arrays])
+            rows, cols = panels(a, b, gemm.trans_a, gemm.trans_b, gemm.tile, gemm.m, gemm.n)
+            blobs.put_many([(kernels.array_blob(p), None) for p in (*rows, *cols)])
 
         await asyncio.to_thread(store_panels)
     except BaseException:
@@ -171,7 +112,7 @@ def lost_products(ledger: Ledger, blobs: BlobStore) -> list[Gemm]:
     for gemm in [g for g in ledger.gemms.values() if g.state is GemmState.ACTIVE]:
         needed = set()
         for wu in ledger.workunits_for(gemm.id):
-            needed.update(panel_ids([wu]))
+            needed.update((wu.a_panel, wu.b_panel))
             needed.update(r.output_hash for r in ledger.results_for(wu.id) if r.has_tile)
         if not all(blobs.has(blob) for blob in needed):
             lost.append(gemm)

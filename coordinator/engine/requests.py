@@ -11,7 +11,6 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
 
 from coordinator.engine.config import CoordinatorConfig
 from coordinator.engine.waiters import Waiters
@@ -24,8 +23,8 @@ from coordinator.rules.scheduler import (
 from coordinator.state.blobs import BlobStore
 from coordinator.state.ledger import Ledger
 from coordinator.state.store import Reply, Store
-from coordinator.work.protocol import Forbidden, WorkRequest, assignment_blobs, encode
-from coordinator.work.records import STACKED, Host, Result, WorkUnit, panel_blobs
+from coordinator.work.protocol import Forbidden, WorkRequest, encode
+from coordinator.work.records import Host, Result, WorkUnit
 
 REPLIES_KEPT_PER_HOST = 16  # in memory; the store keeps config.replies_per_host
 PAUSED_DELAY = 5.0  # seconds a host waits before asking a paused project again
@@ -301,7 +300,7 @@ class WorkRequests:
         inline: dict[str, bytes] = {}
         size = 0
         for a in assignments:
-            for blob in assignment_blobs(a):
+            for blob in (a["a"], a["b"]):
                 if blob in cached or blob in inline:
                     continue
                 data = self.blobs.in_memory(blob)
@@ -332,8 +331,10 @@ class WorkRequests:
         return {
             "result_id": result.id,
             "wu_id": wu.id,
-            **self._panel("a", wu.a_panel),
-            **self._panel("b", wu.b_panel),
+            "a": wu.a_panel,
+            "b": wu.b_panel,
+            "a_bytes": self.ledger.panel_bytes.get(wu.a_panel, 0),
+            "b_bytes": self.ledger.panel_bytes.get(wu.b_panel, 0),
             "trans_a": wu.trans_a,
             "trans_b": wu.trans_b,
             "m": m,
@@ -347,15 +348,6 @@ class WorkRequests:
             "deadline_in": max(0.0, (result.report_deadline or now) - now),
             "kernel_version": wu.kernel_version,
         }
-
-    def _panel(self, side: str, panel: str) -> dict[str, Any]:
-        """An operand panel as the protocol names it: its blob and size, or, stacked along
-        k, the list of its blobs and the list of their sizes (docs/protocol.md)."""
-        sizes = self.ledger.panel_bytes
-        if STACKED not in panel:
-            return {side: panel, f"{side}_bytes": sizes.get(panel, 0)}
-        blobs = panel_blobs(panel)
-        return {side: blobs, f"{side}_bytes": [sizes.get(blob, 0) for blob in blobs]}
 
     def _remember(
         self, host_id: int, request_id: str, body: bytes, now: float, durable: bool

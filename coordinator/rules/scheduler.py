@@ -41,8 +41,6 @@ from coordinator.work.records import (
     ValidateState,
     WorkUnit,
     WuState,
-    panel_blobs,
-    wu_blobs,
 )
 
 
@@ -149,17 +147,11 @@ def stale_panels(
 
 
 def memory_need(wu: WorkUnit, panel_bytes: dict[str, int]) -> int:
-    """Bytes a volunteer needs for one work unit: both panels (a stacked panel's blobs,
-    and their copy stacked for the kernel), and the tile three times (the one computed
-    and room for finished ones on their way), as volunteer/policy.py memory_refusal
-    counts them."""
+    """Bytes a volunteer needs for one work unit: both panels, and the tile three times
+    (the one computed and room for finished ones on their way, as volunteer/policy.py
+    tile_memory counts it)."""
     m, n, _ = wu.shape
-    need = 12 * m * n
-    for panel in (wu.a_panel, wu.b_panel):
-        blobs = panel_blobs(panel)
-        size = sum(panel_bytes.get(blob, 0) for blob in blobs)
-        need += 2 * size if len(blobs) > 1 else size
-    return need
+    return panel_bytes.get(wu.a_panel, 0) + panel_bytes.get(wu.b_panel, 0) + 12 * m * n
 
 
 def fast_and_reliable(host: Host, ledger: Ledger) -> bool:
@@ -275,7 +267,7 @@ class Scheduler:
             assignment = self._try_assign(host, result_id, now, plan, held=in_progress)
             if assignment is None:
                 continue
-            saved = set(wu_blobs(assignment.wu)) & cached
+            saved = {assignment.wu.a_panel, assignment.wu.b_panel} & cached
             plan.bytes_saved += sum(ledger.panel_bytes.get(p, 0) for p in saved)
             plan.assignments.append(assignment)
             gemm = assignment.wu.gemm_id

@@ -20,8 +20,6 @@ from coordinator.work.records import (
     ServerState,
     ValidateState,
     WorkUnit,
-    panel_blobs,
-    wu_blobs,
 )
 
 REPORTED_KEPT = 4000  # results remembered for the dashboard's task stream
@@ -49,7 +47,7 @@ class Ledger:
         self.hosts_of_wu: dict[str, set[int]] = defaultdict(set)
         self.in_progress_of: dict[int, dict[str, None]] = defaultdict(dict)
         self.host_by_token: dict[str, int] = {}
-        # Unsent results, oldest first, and the same indexed by the blobs of their panels.
+        # Unsent results, oldest first, and the same indexed by operand panel.
         self.unsent: dict[str, None] = {}
         self.unsent_by_panel: dict[str, dict[str, None]] = defaultdict(dict)
         self.unsent_of_gemm: Counter[str] = Counter()
@@ -96,12 +94,6 @@ class Ledger:
         """A published operand panel: its size, and the newest step that uses it."""
         self.panel_bytes[panel_id] = size
         self.panel_step[panel_id] = max(step, self.panel_step.get(panel_id, step))
-
-    def panel_size(self, panel: str) -> int:
-        """The bytes of a work unit's operand panel: of all its blobs, for a stacked one (0
-        when one is not known)."""
-        sizes = [self.panel_bytes.get(blob, 0) for blob in panel_blobs(panel)]
-        return 0 if 0 in sizes else sum(sizes)
 
     def drop_panel(self, panel_id: str) -> None:
         """A panel's blob is deleted. Its step stays, so that the hosts that still hold it
@@ -213,8 +205,8 @@ class Ledger:
             self.unsent[r.id] = None
             wu = self.wus[r.wu_id]
             self.unsent_of_gemm[wu.gemm_id] += 1
-            for blob in wu_blobs(wu):
-                self.unsent_by_panel[blob][r.id] = None
+            self.unsent_by_panel[wu.a_panel][r.id] = None
+            self.unsent_by_panel[wu.b_panel][r.id] = None
             if self.on_unsent is not None:
                 self.on_unsent()
         elif r.server_state is ServerState.IN_PROGRESS and r.host_id is not None:
@@ -227,12 +219,12 @@ class Ledger:
             self.unsent_of_gemm[wu.gemm_id] -= 1
             if not self.unsent_of_gemm[wu.gemm_id]:
                 del self.unsent_of_gemm[wu.gemm_id]
-            for blob in wu_blobs(wu):
-                index = self.unsent_by_panel.get(blob)
+            for panel in (wu.a_panel, wu.b_panel):
+                index = self.unsent_by_panel.get(panel)
                 if index is not None:
                     index.pop(r.id, None)
                     if not index:
-                        del self.unsent_by_panel[blob]
+                        del self.unsent_by_panel[panel]
         elif r.server_state is ServerState.IN_PROGRESS and r.host_id is not None:
             self.in_progress_of[r.host_id].pop(r.id, None)
 

@@ -30,7 +30,6 @@ from coordinator.work.records import (
     ValidateState,
     WorkUnit,
     WuState,
-    panel_blobs,
 )
 
 Row = Mapping[str, Any]
@@ -141,11 +140,6 @@ def to_host(row: Row) -> Host:
     return Host(**d)
 
 
-def _blobs(rows: list[Row]) -> set[str]:
-    """The blobs named in rows of panels and tiles: a stacked panel's each."""
-    return {blob for r in rows for blob in panel_blobs(r["blob"])}
-
-
 class QueryStore(Store):
     """Every Store operation as named queries; drivers implement the four primitives."""
 
@@ -238,8 +232,8 @@ class QueryStore(Store):
         return [Event(**dict(r)) for r in rows]
 
     async def prunable_blobs(self, through_step: int) -> set[str]:
-        old = _blobs(await self._query("select_blobs_through_step", step=through_step))
-        live = _blobs(await self._query("select_blobs_after_step", step=through_step))
+        old = {r["blob"] for r in await self._query("select_blobs_through_step", step=through_step)}
+        live = {r["blob"] for r in await self._query("select_blobs_after_step", step=through_step)}
         await self._execute("mark_gemms_pruned", step=through_step)
         return old - live
 
@@ -252,12 +246,7 @@ class QueryStore(Store):
         return [to_workunit(r) for r in rows]
 
     async def panel_steps(self) -> dict[str, int]:
-        """The newest step that reads each panel's blob (a stacked panel's each)."""
-        steps: dict[str, int] = {}
-        for r in await self._query("select_panel_steps"):
-            for blob in panel_blobs(r["panel"]):
-                steps[blob] = max(r["step"], steps.get(blob, r["step"]))
-        return steps
+        return {r["panel"]: r["step"] for r in await self._query("select_panel_steps")}
 
     async def purge(self, through_step: int) -> None:
         step = [{"step": through_step}]

@@ -28,17 +28,10 @@ Params = dict[str, np.ndarray]
 
 
 class Backend(Protocol):
-    """Where the products run. `matmul`'s operands may each be a list of parts that split k
-    in the same places (kernels.stack_along_k): the product of the stacked operands."""
+    """Where the products run."""
 
     def matmul(
-        self,
-        a: np.ndarray | list[np.ndarray],
-        b: np.ndarray | list[np.ndarray],
-        *,
-        trans_a: bool,
-        trans_b: bool,
-        label: str,
+        self, a: np.ndarray, b: np.ndarray, *, trans_a: bool, trans_b: bool, label: str
     ) -> Awaitable[np.ndarray]: ...
 
     def batched(
@@ -207,59 +200,6 @@ async def _cancelled(tasks: list[asyncio.Future]) -> None:
     await asyncio.gather(*tasks, return_exceptions=True)
 
 
-class WeightGradients:
-    """Each weight's gradient over all of a batch's micro-batches, as one product.
-
-    The sum over micro-batches of X_i^T dY_i is X^T dY of their X and dY stacked along k
-    (the tokens), in micro-batch order: one product and one reduction, where a product per
-    micro-batch would be another product to publish, check and assimilate, and an addition
-    after. Its tiles read the panels each micro-batch's own operands are cut into. Each
-    micro-batch hands in its (X, dY) for a weight and gets the product, which goes out
-    once the last has handed in; the bits depend on the number of micro-batches only."""
-
-    def __init__(self, backend: Backend, parts: int) -> None:
-        self.backend = backend
-        self.parts = parts
-        self._operands: dict[str, list[tuple[np.ndarray, np.ndarray] | None]] = {}
-        self._products: dict[str, asyncio.Future] = {}
-        self._running: list[asyncio.Task] = []
-
-    def add(self, name: str, part: int, x: np.ndarray, dy: np.ndarray) -> asyncio.Future:
-        """Micro-batch `part`'s operands of this weight's gradient; the product's future."""
-        operands = self._operands.setdefault(name, [None] * self.parts)
-        operands[part] = (x, dy)
-        future = self._products.get(name)
-        if future is None:
-            future = self._products[name] = asyncio.get_running_loop().create_future()
-        if all(pair is not None for pair in operands):
-            del self._operands[name]
-            xs = [pair[0] for pair in operands]
-            dys = [pair[1] for pair in operands]
-            product = self.backend.matmul(xs, dys, trans_a=True, trans_b=False, label=name)
-            self._running.append(asyncio.ensure_future(self._settle(product, future)))
-        return future
-
-    @staticmethod
-    async def _settle(product: Awaitable[np.ndarray], future: asyncio.Future) -> None:
-        try:
-            value = await product
-        except BaseException as exc:
-            if not future.done():
-                future.set_exception(exc)
-                future.exception()  # retrieved: each micro-batch awaiting it gets it raised
-            if isinstance(exc, asyncio.CancelledError):
-                raise
-            return
-        if not future.done():
-            future.set_result(value)
-
-    async def cancel(self) -> None:
-        """A micro-batch failed: stop every product in flight and every wait for one."""
-        for future in self._products.values():
-            future.cancel()
-        await _cancelled(self._running)
-
-
 class TinyGPT:
     def __init__(self, settings: ModelSettings, backend: Backend) -> None:
         self.s = settings
@@ -269,17 +209,19 @@ class TinyGPT:
         y = await self.backend.matmul(x, w, trans_a=False, trans_b=False, label=label + ".fwd")
         return add_bias(y, b) if b is not None else y
 
-    async def linear_backward(self, x, w, dy, label, weight_grad):
+    async def linear_backward(self, x, w, dy, label):
         """(dX, dW, the bias gradient): dX = dY @ W^T is awaited, dW = X^T @ dY is returned in
-        flight (a future, from `weight_grad(label, x, dy)`). Nothing on the backward chain
-        needs a weight gradient, and with many hosts a dW, whose tiles each read all of its
-        k = tokens, comes back tens of milliseconds after its dX: the next layer's dX goes
-        out without waiting for it. loss_and_grads collects them once the chain is done."""
+        flight (a task). Nothing on the backward chain needs a weight gradient, and with many
+        hosts a dW, whose tiles each read all of its k = tokens, comes back tens of
+        milliseconds after its dX: the next layer's dX goes out without waiting for it.
+        loss_and_grads collects them once the chain is done."""
         # Both go out in this turn of the loop, dX first, so that one answer can carry both.
         dx = asyncio.ensure_future(
             self.backend.matmul(dy, w, trans_a=False, trans_b=True, label=label + ".dx")
         )
-        dw = weight_grad(label + ".dw", x, dy)
+        dw = asyncio.ensure_future(
+            self.backend.matmul(x, dy, trans_a=True, trans_b=False, label=label + ".dw")
+        )
         try:
             dx_value = await dx
         except BaseException:
@@ -370,29 +312,12 @@ class TinyGPT:
         logits, _ = await self.forward(params, tokens)
         return self.cross_entropy(logits, targets)[0]
 
-    async def loss_and_grads(
-        self,
-        params: Params,
-        tokens,
-        targets,
-        weight_grads: WeightGradients | None = None,
-        part: int = 0,
-    ) -> tuple[float, Params]:
-        """The loss and every gradient of these tokens; with `weight_grads`, they are
-        micro-batch `part` of a batch, and each weight's gradient is the batch's (summed
-        over its micro-batches, unscaled)."""
+    async def loss_and_grads(self, params: Params, tokens, targets) -> tuple[float, Params]:
         logits, (tokens, caches, hf, lnf) = await self.forward(params, tokens)
         loss, dlogits = self.cross_entropy(logits, targets)
         grads: dict[str, np.ndarray | asyncio.Future] = {}  # weight gradients still in flight
-
-        def weight_grad(label: str, x: np.ndarray, dy: np.ndarray) -> asyncio.Future:
-            if weight_grads is not None:
-                return weight_grads.add(label, part, x, dy)
-            product = self.backend.matmul(x, dy, trans_a=True, trans_b=False, label=label)
-            return asyncio.ensure_future(product)
-
         try:
-            await self._backward(params, tokens, caches, hf, lnf, dlogits, grads, weight_grad)
+            await self._backward(params, tokens, caches, hf, lnf, dlogits, grads)
             for name, grad in grads.items():
                 if isinstance(grad, asyncio.Future):
                     grads[name] = await grad
@@ -401,31 +326,29 @@ class TinyGPT:
             raise
         return loss, {name: grads[name] for name in params}
 
-    async def _backward(self, params, tokens, caches, hf, lnf, dlogits, grads, dw) -> None:
-        """Every gradient into `grads`; the weights' as futures still in flight (`dw`)."""
+    async def _backward(self, params, tokens, caches, hf, lnf, dlogits, grads) -> None:
+        """Every gradient into `grads`; the weights' as tasks still in flight."""
         batch, t = tokens.shape
-        dhf, grads["head.w"], _ = await self.linear_backward(
-            hf, params["head.w"], dlogits, "head", dw
-        )
+        dhf, grads["head.w"], _ = await self.linear_backward(hf, params["head.w"], dlogits, "head")
         dx, grads["ln_f.g"], grads["ln_f.b"] = layernorm_backward(dhf, lnf)
         for i in reversed(range(self.s.layers)):
             p = f"block{i}."
             h1, ln1, att, y, h2, ln2, act, a = caches[i]
             da, grads[p + "mlp.w_out"], grads[p + "mlp.b_out"] = await self.linear_backward(
-                a, params[p + "mlp.w_out"], dx, p + "fc2", dw
+                a, params[p + "mlp.w_out"], dx, p + "fc2"
             )
             du = gelu_backward(da, act)
             dh2, grads[p + "mlp.w_in"], grads[p + "mlp.b_in"] = await self.linear_backward(
-                h2, params[p + "mlp.w_in"], du, p + "fc", dw
+                h2, params[p + "mlp.w_in"], du, p + "fc"
             )
             dln2, grads[p + "ln2.g"], grads[p + "ln2.b"] = layernorm_backward(dh2, ln2)
             dx = dx + dln2
             dy, grads[p + "attn.w_out"], grads[p + "attn.b_out"] = await self.linear_backward(
-                y, params[p + "attn.w_out"], dx, p + "proj", dw
+                y, params[p + "attn.w_out"], dx, p + "proj"
             )
             dqkv = self.attention_backward(dy, att, batch)
             dh1, grads[p + "attn.w_qkv"], grads[p + "attn.b_qkv"] = await self.linear_backward(
-                h1, params[p + "attn.w_qkv"], dqkv, p + "qkv", dw
+                h1, params[p + "attn.w_qkv"], dqkv, p + "qkv"
             )
             dln1, grads[p + "ln1.g"], grads[p + "ln1.b"] = layernorm_backward(dh1, ln1)
             dx = dx + dln1

@@ -21,7 +21,7 @@ import kernels
 from coordinator.training import checkpoints
 from coordinator.training.corpus import Corpus
 from coordinator.training.corpus import load as load_corpus
-from coordinator.training.model import Params, TinyGPT, WeightGradients, init_params
+from coordinator.training.model import Params, TinyGPT, init_params
 from coordinator.training.optimizer import AdamState, adamw_step, learning_rate
 from coordinator.training.project import Project
 from kernels import nn
@@ -50,9 +50,6 @@ class LocalBackend:
         self.threads = threads
 
     async def matmul(self, a, b, *, trans_a: bool, trans_b: bool, label: str) -> np.ndarray:
-        if isinstance(a, list):  # operands stacked along k (model.WeightGradients)
-            a = kernels.stack_along_k(a, trans=trans_a, operand="a")
-            b = kernels.stack_along_k(b, trans=trans_b, operand="b")
         return kernels.gemm(
             np.ascontiguousarray(a),
             np.ascontiguousarray(b),
@@ -122,37 +119,22 @@ class Trainer:
     ) -> tuple[float, Params]:
         """The batch's mean loss and gradients, from its micro-batches computed together.
 
-        Each micro-batch's products are in flight at once. Each weight's gradient is one
-        product over all of them (WeightGradients); their losses and other gradients are
-        summed in micro-batch order; all are scaled once. The bits depend on the setting
-        alone, never on which product finished first."""
+        Each micro-batch's products are in flight at once; their losses and gradients are
+        then summed in micro-batch order and scaled once, so the bits depend on the
+        setting alone, never on which product finished first."""
         parts = self.project.training.micro_batches
         if parts == 1:
             return await self.model.loss_and_grads(params, tokens, targets)
-        weight_grads = WeightGradients(self.backend, parts)
-        batches = zip(np.split(tokens, parts), np.split(targets, parts), strict=True)
-        tasks = [
-            asyncio.ensure_future(self.model.loss_and_grads(params, x, y, weight_grads, i))
-            for i, (x, y) in enumerate(batches)
-        ]
-        try:
-            results = await asyncio.gather(*tasks)
-        except BaseException:
-            # Nothing of a failed batch is used: its other micro-batches stop, and with
-            # them every product in flight (and no one waits for a weight's gradient).
-            await weight_grads.cancel()
-            for task in tasks:
-                task.cancel()
-            await asyncio.gather(*tasks, return_exceptions=True)
-            raise
+        results = await asyncio.gather(
+            *(
+                self.model.loss_and_grads(params, x, y)
+                for x, y in zip(np.split(tokens, parts), np.split(targets, parts), strict=True)
+            )
+        )
         scale = np.float32(1.0 / parts)
         grads = {}
         for name in params:
-            first = results[0][1][name]
-            if all(part[name] is first for _, part in results[1:]):
-                grads[name] = first * scale  # a weight's: the same product for every part
-                continue
-            total = first.copy()
+            total = results[0][1][name].copy()
             for _, part in results[1:]:
                 total += part[name]
             total *= scale

@@ -16,7 +16,7 @@ import msgpack
 
 from kernels import frames, is_blob_id
 
-VERSION = 2  # 2: an assignment's operand may be a list of blobs stacked along k
+VERSION = 1
 CONTENT_TYPE = "application/msgpack"
 
 MAX_NAME = 64
@@ -128,16 +128,6 @@ def loggable(value: object) -> str:
         c if c.isprintable() and c != "\\" else c.encode("unicode_escape").decode("ascii")
         for c in text
     )
-
-
-def assignment_blobs(assignment: dict[str, Any]) -> list[str]:
-    """The blobs an assignment's operands are read from: each side names one blob, or, for a
-    panel stacked along k, a list of them."""
-    blobs = []
-    for side in ("a", "b"):
-        named = assignment[side]
-        blobs += named if isinstance(named, list) else [named]
-    return blobs
 
 
 def encode(message: dict[str, Any]) -> bytes:

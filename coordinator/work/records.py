@@ -398,29 +398,6 @@ def workunit_id(
     return f"{step & 0xFFFFFFFF:08x}{gemm[:16]}{digest[:40]}"
 
 
-# A panel stacked along k from several operands' panels (a weight's gradient over every
-# micro-batch: X_1^T dY_1 + X_2^T dY_2 as one product of [X_1; X_2]^T [dY_1; dY_2]) is named
-# by its blobs' ids joined in order. Blob ids are hex digits, so the join is unambiguous, and
-# a panel of one blob is named by that blob's id alone, as it always was.
-STACKED = "+"
-
-
-def panel_blobs(panel: str) -> list[str]:
-    """The blobs a panel is read from, in the order they are stacked along k: one, or, for
-    a stacked panel, one per operand."""
-    return panel.split(STACKED)
-
-
-def stacked_panel(blob_ids: list[str]) -> str:
-    """The name of the panel made of these blobs stacked along k, in this order."""
-    return STACKED.join(blob_ids)
-
-
-def wu_blobs(wu: WorkUnit) -> list[str]:
-    """The blobs a work unit's two operand panels are read from."""
-    return panel_blobs(wu.a_panel) + panel_blobs(wu.b_panel)
-
-
 def short_workunit_id(wu_id: str) -> str:
     """The 12 digits that tell a work unit from its GEMM's others in logs and tables: its
     id's last (the first are its step and GEMM, shared by all of them)."""

@@ -186,24 +186,6 @@ async def test_blobs_of_finished_steps_are_prunable_unless_a_later_product_uses_
     assert (await store.gemm(later.id)).state is GemmState.ACTIVE
 
 
-async def test_each_blob_of_a_stacked_panel_is_kept_or_pruned_and_stepped_on_its_own(store):
-    """A weight's gradient over micro-batches reads panels stacked from several blobs: the
-    store names each of them to retention and to the hosts' caches, never the stack."""
-    gemm, host, wu, _ = records()
-    x1, x2, dy1, dy2 = ("1" * 64, "2" * 64, "3" * 64, "4" * 64)
-    done = gemm.evolve(state=GemmState.DONE)
-    stacked = wu.evolve(a_panel=f"{x1}+{x2}", b_panel=f"{dy1}+{dy2}")
-    later = dataclasses.replace(gemm, id="h" * 64, step=9)
-    later_wu = wu.evolve(id="x" * 64, gemm_id=later.id, step=9, a_panel=f"{x2}+{HASH}")
-    await store.commit(
-        Batch(
-            {done.id: done, later.id: later}, {wu.id: stacked, later_wu.id: later_wu}, {}, {1: host}
-        )
-    )
-    assert await store.panel_steps() == {x1: 3, x2: 9, dy1: 3, dy2: 3, HASH: 9}
-    assert await store.prunable_blobs(through_step=3) == {x1, dy1, dy2}  # x2: step 9 reads it
-
-
 async def test_events_filter_and_counts(store):
     gemm, host, wu, result = records()
     invalid = result.evolve(validate_state=ValidateState.INVALID)

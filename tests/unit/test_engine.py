@@ -23,7 +23,6 @@ import kernels
 from coordinator.cli import serve
 from coordinator.engine.config import CoordinatorConfig
 from coordinator.engine.coordinator import Coordinator
-from coordinator.engine.recovery import panels
 from coordinator.rules.scheduler import SchedulerConfig
 from coordinator.state.memory import MemoryStore
 from coordinator.work.protocol import RegisterRequest, ReportRequest, ResultReport, WorkRequest
@@ -35,9 +34,7 @@ from coordinator.work.records import (
     Result,
     ServerState,
     new_result_id,
-    panel_blobs,
     tile_workunit,
-    wu_blobs,
 )
 from tests.factories import bits, operands
 from tests.volunteers import wait_until
@@ -65,7 +62,10 @@ async def honest_host(
                 cached = (a["a"], a["b"])
                 continue
             tile = kernels.gemm(
-                operand(co, a, "a"), operand(co, a, "b"), trans_a=a["trans_a"], trans_b=a["trans_b"]
+                co.blobs.get_array(a["a"]),
+                co.blobs.get_array(a["b"]),
+                trans_a=a["trans_a"],
+                trans_b=a["trans_b"],
             )
             blob = kernels.encode_array(tile)
             upload = blob if a["upload"] == "tile" else None
@@ -74,13 +74,6 @@ async def honest_host(
             await co.reports.report(host, ReportRequest(tuple(entries)), time.time())
             reported += len(entries)
     return reported
-
-
-def operand(co: Coordinator, assignment: dict, side: str) -> np.ndarray:
-    """An assignment's operand from the coordinator's blobs: one, or several stacked."""
-    named = assignment[side]
-    parts = [co.blobs.get_array(blob) for blob in (named if isinstance(named, list) else [named])]
-    return kernels.stack_along_k(parts, trans=assignment[f"trans_{side}"], operand=side)
 
 
 @pytest.fixture
@@ -130,76 +123,6 @@ async def test_a_product_computed_by_two_hosts_has_the_kernels_bits(engine, rng,
         assert (data["method"], data["compared"], event.state) == ("quorum", 2, "valid")
         runs.setdefault(event.host_id, []).append((data["trust_before"], data["trust_after"]))
     assert sorted(runs.values()) == [[(i, i + 1) for i in range(6)]] * 2
-
-
-def stacked(rng, m: int, n: int, ks: list[int], trans_a: bool, trans_b: bool):
-    """Operands of an m x n product split along k into parts of `ks`: lists of parts."""
-    pairs = [operands(rng, m, n, k, trans_a, trans_b) for k in ks]
-    return [a for a, _ in pairs], [b for _, b in pairs]
-
-
-def panel_blob_ids(a: np.ndarray, b: np.ndarray, trans_a: bool, trans_b: bool, tile: int):
-    """The blob ids of the panels of op(a) @ op(b) cut into tiles of `tile`."""
-    m = a.shape[1] if trans_a else a.shape[0]
-    n = b.shape[0] if trans_b else b.shape[1]
-    rows, cols = panels(a, b, trans_a, trans_b, tile, m, n)
-    return {kernels.blob_id(kernels.array_blob(p)) for p in (*rows, *cols)}
-
-
-@pytest.mark.parametrize("trans_a, trans_b", [(False, False), (True, False), (False, True)])
-async def test_a_product_stacked_along_k_has_the_bits_of_the_whole_from_its_parts_panels(
-    engine, rng, trans_a, trans_b
-):
-    """A weight's gradient over two micro-batches: one product of operands stacked along k.
-    Its bits are the kernel's over the whole k, and its work units read each part's own
-    panels, stored as a product of that part alone would store them, and no stacked copy."""
-    a, b = stacked(rng, 40, 24, [12, 21], trans_a, trans_b)
-    stop = asyncio.Event()
-    hosts = [asyncio.create_task(honest_host(engine, f"h{i}", stop)) for i in range(2)]
-    product = await asyncio.wait_for(
-        engine.products.matmul(a, b, trans_a=trans_a, trans_b=trans_b, label="x.dw"), 30
-    )
-    stop.set()
-    await asyncio.gather(*hosts)
-    whole_a = kernels.stack_along_k(a, trans=trans_a, operand="a")
-    whole_b = kernels.stack_along_k(b, trans=trans_b, operand="b")
-    expected = kernels.gemm(whole_a, whole_b, trans_a=trans_a, trans_b=trans_b)
-    np.testing.assert_array_equal(bits(product), bits(expected))
-    await engine.ledger.flush()
-    wus = await engine.store.workunits_through(0)
-    gemm = await engine.store.gemm(wus[0].gemm_id)
-    assert (gemm.label, gemm.k) == ("x.dw", 33)
-    assert len(wus) == 6 and all(len(panel_blobs(wu.a_panel)) == 2 for wu in wus)
-    read = {blob for wu in wus for blob in wu_blobs(wu)}
-    parts = [panel_blob_ids(x, y, trans_a, trans_b, 16) for x, y in zip(a, b, strict=True)]
-    assert read == parts[0] | parts[1]
-
-
-async def test_a_stacked_product_whose_blobs_a_power_cut_took_is_exact_again(tmp_path, rng):
-    """Its panels come back from each part of the operands, its tiles from the kernel."""
-    config = CoordinatorConfig(directory=tmp_path, tile=16, policy=Policy.FREIVALDS, seed=1)
-    store = MemoryStore()
-    a, b = stacked(rng, 32, 32, [8, 5], True, False)
-    first = await computed_then_blobs_lost(config, store, a, b)
-    again = Coordinator(config, store)
-    await again.start()
-    try:
-        second = await asyncio.wait_for(again.products.matmul(a, b, trans_a=True), 30)
-    finally:
-        await again.stop()
-    expected = kernels.gemm(np.concatenate(a), np.concatenate(b), trans_a=True)
-    np.testing.assert_array_equal(bits(first), bits(expected))
-    np.testing.assert_array_equal(bits(second), bits(expected))
-
-
-async def test_operands_stacked_along_k_must_split_it_alike(engine, rng):
-    a, b = stacked(rng, 8, 8, [4, 4], False, False)
-    with pytest.raises(ValueError, match="as many parts"):
-        await engine.products.matmul(a, b[:1])
-    with pytest.raises(ValueError, match="inner dimensions"):
-        await engine.products.matmul(a, [b[0], b[1][:3]])
-    with pytest.raises(ValueError, match="outputs of different shapes"):
-        await engine.products.matmul(a, [b[0], np.ascontiguousarray(b[1][:, :5])])
 
 
 async def test_stored_work_replies_are_pruned_by_age_and_count(engine, rng):
@@ -272,8 +195,7 @@ async def computed_then_blobs_lost(
     await co.start()
     stop = asyncio.Event()
     host = asyncio.create_task(honest_host(co, "h", stop))
-    trans_a = isinstance(a, list)  # stacked: a weight's gradient, X^T dY
-    product = await asyncio.wait_for(co.products.matmul(a, b, trans_a=trans_a), 30)
+    product = await asyncio.wait_for(co.products.matmul(a, b), 30)
     stop.set()
     await host
     await co.stop()

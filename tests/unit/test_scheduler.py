@@ -15,7 +15,6 @@ from coordinator.rules.scheduler import (
     Scheduler,
     SchedulerConfig,
     idle_delay,
-    memory_need,
     report_deadline,
     stale_panels,
     waits_for_the_loop,
@@ -32,7 +31,6 @@ from coordinator.work.records import (
     ValidateState,
     WorkUnit,
 )
-from volunteer.policy import WORKSPACE_PER_THREAD, operand_bytes, tile_memory
 
 NOW = 5_000.0
 CONFIG = SchedulerConfig(
@@ -824,23 +822,3 @@ def test_a_panel_whose_blob_a_checkpoint_deleted_is_named_until_its_step_is_let_
 )
 def test_only_a_far_host_waits_for_the_training_loops_next_product(round_trip, between, waits):
     assert waits_for_the_loop(round_trip, between) is waits
-
-
-def test_a_stacked_tile_needs_its_blobs_and_their_stacked_copy_as_the_volunteer_counts_them():
-    """The coordinator gives a host only tiles that fit the memory it offered; the volunteer
-    refuses one that does not. Both count a stacked panel's blobs and the copy of them
-    stacked for the kernel, so neither hands out or takes what the other would not."""
-    sizes = {"x1": 1000, "x2": 3000, "dy1": 500, "dy2": 700, "w": 4000}
-    stacked = make_wu(1, panels=("x1+x2", "dy1+dy2"), size=(16, 8, 64))
-    plain = make_wu(2, panels=("x1", "w"), size=(16, 8, 64))
-    assert memory_need(stacked, sizes) == 2 * 4000 + 2 * 1200 + 12 * 16 * 8
-    assert memory_need(plain, sizes) == 1000 + 4000 + 12 * 16 * 8
-    for wu in (stacked, plain):
-        assignment = {"m": 16, "n": 8, "a_bytes": 0, "b_bytes": 0}
-        for side, panel in (("a", wu.a_panel), ("b", wu.b_panel)):
-            blobs = panel.split("+")
-            assignment[side] = blobs if len(blobs) > 1 else blobs[0]
-            named = [sizes[blob] for blob in blobs]
-            assignment[f"{side}_bytes"] = named if len(blobs) > 1 else named[0]
-        volunteer_need = tile_memory(assignment, 1) - WORKSPACE_PER_THREAD
-        assert volunteer_need + operand_bytes(assignment) == memory_need(wu, sizes)
