@@ -32,6 +32,7 @@ class CrowdWatch:
         # Per size (the bit length of its bytes): [mean bytes, mean seconds, count, last seen].
         self._sizes: dict[int, list[float]] = {}
         self._hosts: tuple[float, Crowd] | None = None
+        self._fitted: tuple[float, int, Crowd] | None = None  # (when, sizes seen, the crowd)
 
     def observe(self, turnaround: float, compute: float, nbytes: int, now: float = 0.0) -> None:
         """A result came back at `now`, `turnaround` seconds after it was sent, `compute`
@@ -68,9 +69,16 @@ class CrowdWatch:
         return max(mean_y - slope * mean_x, 0.0), slope
 
     def crowd(self, now: float) -> Crowd:
-        overhead, per_byte = self.cost(now)
-        seen = self._look(now)
-        return Crowd(seen.hosts, seen.gflops, overhead, seen.memory_bytes, per_byte)
+        """The crowd, its cost line fitted again at most every REMEMBER seconds, or at once
+        when a new size of tile is seen: asked for every product, and the line moves little
+        between two (a fit per product was 2% of a tiny-gpt step's profile)."""
+        fitted = self._fitted
+        if fitted is None or not 0 <= now - fitted[0] < REMEMBER or fitted[1] != len(self._sizes):
+            overhead, per_byte = self.cost(now)
+            seen = self._look(now)
+            crowd = Crowd(seen.hosts, seen.gflops, overhead, seen.memory_bytes, per_byte)
+            self._fitted = fitted = (now, len(self._sizes), crowd)
+        return fitted[2]
 
     def hosts(self, now: float) -> int:
         """How many hosts the crowd has (at least 1), without fitting a tile's cost: asked

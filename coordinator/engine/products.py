@@ -157,7 +157,7 @@ class Products:
             policy=config.policy,
             kernel_version=kernels.KERNEL_VERSION,
         )
-        gid, stored = await self._attempt(describe)
+        gid, stored = await self._attempt(describe, step)
         if gid in self.outputs:
             result = await asyncio.shield(self.outputs[gid].done)
             return result.copy()
@@ -248,9 +248,9 @@ class Products:
         crowd = self.crowd.crowd(now)
         return sizing.choose_tile(m, n, k, config.tile, crowd, replicas, config.sizing)
 
-    async def _attempt(self, describe: Callable[..., str]) -> tuple[str, Gemm | None]:
+    async def _attempt(self, describe: Callable[..., str], step: int) -> tuple[str, Gemm | None]:
         """The id of this product's current attempt, with its record if the store has one
-        (looked up once: a product's lookup is a trip to the store's thread).
+        (looked up only when it may: Ledger.may_be_stored).
 
         A product that failed (or whose step was cancelled) in an earlier run of the
         coordinator is run again as a new GEMM; one that failed in this run stays failed, so
@@ -261,7 +261,7 @@ class Products:
             if gid in self.outputs:
                 return gid, None
             gemm = self.ledger.gemms.get(gid)
-            if gemm is None:
+            if gemm is None and self.ledger.may_be_stored(gid, step):
                 if self.ledger.is_queued(gid):
                     # Finished and forgotten a moment ago, its end not yet committed: the
                     # store must say "done" before its tiles are read from it.

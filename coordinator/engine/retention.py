@@ -50,6 +50,7 @@ class Retention:
         previous, self.checkpointed = self.checkpointed, through_step
         if previous is not None:
             self.ledger.forget_panel_steps(previous)
+            self.ledger.forget_steps(previous)
             events = await self.store.events_through(previous)
             workunits = await self.store.workunits_through(previous)
             # Archived before they are deleted: a crash in between archives some twice.

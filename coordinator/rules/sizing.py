@@ -15,6 +15,7 @@ wire less.
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 
@@ -76,6 +77,9 @@ def estimate(
     return max(waves * per_tile, results * config.coordinator_seconds)
 
 
+# A step asks for a handful of shapes, and the crowd is fitted again once a second at most
+# (engine/crowd.py): the same question comes back for every product.
+@functools.lru_cache(maxsize=1024)
 def choose_tile(
     m: int, n: int, k: int, floor: int, crowd: Crowd, replicas: int, config: SizingConfig
 ) -> int:

@@ -62,6 +62,11 @@ class Ledger:
         # Of the whole project, finished products included, so status never reads the store.
         self.workunit_counts: Counter[str] = Counter()
         self.invalid_count = 0
+        # What tells a product new to this run from one the store may hold (may_be_stored):
+        # the newest step the store had a GEMM of at start (or purged since), and the GEMMs
+        # this run forgot, by step.
+        self.stored_through = -1
+        self.forgotten: dict[int, set[str]] = defaultdict(set)
         self._batch = Batch()
         self._queued_since: float | None = None  # monotonic time of the oldest queued change
         # Monotonic time of the first reply since the last commit that promised what is
@@ -104,6 +109,20 @@ class Ledger:
         """Let go of the steps of panels of steps <= through_step: every host in contact
         since has been told to drop them."""
         self.panel_step = {p: s for p, s in self.panel_step.items() if s > through_step}
+
+    def forget_steps(self, through_step: int) -> None:
+        """Let go of the GEMMs this run forgot of steps <= through_step: a product of those
+        steps is looked up in the store from now on (may_be_stored)."""
+        self.stored_through = max(self.stored_through, through_step)
+        for step in [s for s in self.forgotten if s <= through_step]:
+            del self.forgotten[step]
+
+    def may_be_stored(self, gemm_id: str, step: int) -> bool:
+        """False when a GEMM not in memory cannot be in the store either: its step is newer
+        than any the store had at start, and this run has not forgotten it. Only the
+        coordinator writes GEMMs, and it holds each one in memory until it forgets it; so
+        a product new to this run costs no lookup (a trip to the store per product)."""
+        return step <= self.stored_through or gemm_id in self.forgotten.get(step, ())
 
     def put_gemm(self, gemm: Gemm) -> None:
         self.gemms[gemm.id] = gemm
@@ -239,11 +258,14 @@ class Ledger:
         gemm = self.gemms.pop(gemm_id, None)
         if gemm is not None and gemm.state is GemmState.ACTIVE:
             raise RuntimeError(f"forgetting active GEMM {gemm_id}")
+        if gemm is not None:
+            self.forgotten[gemm.step].add(gemm_id)
 
     def restore(self, snapshot: Snapshot) -> None:
         """Fill memory from committed state (at start, nothing is queued)."""
         self.workunit_counts = Counter(snapshot.workunit_counts)
         self.invalid_count = snapshot.invalid_count
+        self.stored_through = snapshot.last_gemm_step
         for host in snapshot.hosts:
             self.hosts[host.id] = host
             self.host_by_token[host.token_hash] = host.id

@@ -154,6 +154,9 @@ class MemoryStore(QueryStore):
         row = self.tables["gemms"].get(id)
         return [row] if row else []
 
+    def select_last_gemm_step_run(self) -> list[Row]:
+        return [{"step": max((g["step"] for g in self.tables["gemms"].values()), default=-1)}]
+
     def select_active_gemms_run(self) -> list[Row]:
         return [g for g in self.tables["gemms"].values() if g["state"] == "active"]
 

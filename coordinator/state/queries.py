@@ -185,6 +185,7 @@ class QueryStore(Store):
             results=results,
             workunit_counts=await self.workunit_counts(),
             invalid_count=await self.invalid_count(),
+            last_gemm_step=(await self._query("select_last_gemm_step"))[0]["step"],
         )
 
     async def gemm(self, gemm_id: str) -> Gemm | None:

@@ -89,6 +89,9 @@ SELECT * FROM results WHERE id = :id;
 -- name: select_gemm
 SELECT * FROM gemms WHERE id = :id;
 
+-- name: select_last_gemm_step
+SELECT COALESCE(MAX(step), -1) AS step FROM gemms;
+
 -- name: select_active_gemms
 SELECT * FROM gemms WHERE state = 'active';
 

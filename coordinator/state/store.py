@@ -56,6 +56,7 @@ class Snapshot:
     results: list[Result]  # of those work units
     workunit_counts: dict[str, int] = field(default_factory=dict)  # of the whole project
     invalid_count: int = 0  # results ever judged invalid
+    last_gemm_step: int = -1  # the newest step of any GEMM stored, finished ones too
 
 
 class Store(abc.ABC):

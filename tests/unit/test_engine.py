@@ -216,16 +216,67 @@ async def published_then_stopped(
 
 
 async def computed_by_two_hosts(
-    config: CoordinatorConfig, store: MemoryStore, a: np.ndarray, b: np.ndarray
+    config: CoordinatorConfig, store: MemoryStore, a: np.ndarray, b: np.ndarray, step: int = 0
 ) -> np.ndarray:
-    """A @ B by a coordinator started over `store` (restarted, as after a stop) and two
-    honest hosts."""
+    """A @ B (of `step`) by a coordinator started over `store` (restarted, as after a stop)
+    and two honest hosts."""
     again = Coordinator(config, store)
     await again.start()
     stop = asyncio.Event()
     hosts = [asyncio.create_task(honest_host(again, f"h{i}", stop)) for i in range(2)]
     try:
-        return await asyncio.wait_for(again.products.matmul(a, b), 30)
+        return await asyncio.wait_for(again.products.matmul(a, b, step=step), 30)
+    finally:
+        stop.set()
+        await asyncio.gather(*hosts)
+        await again.stop()
+
+
+async def test_a_product_new_to_this_run_costs_no_lookup_and_one_made_before_is_looked_up(
+    tmp_path, rng
+):
+    """Only the coordinator writes products, and it holds each in memory until it forgets
+    it: a product of a step newer than any stored, and not forgotten in this run, needs no
+    trip to the store. After a restart, or once forgotten, a product is looked up there."""
+    config = CoordinatorConfig(
+        directory=tmp_path, tile=16, policy=Policy.QUORUM, seed=1, long_poll=0.05
+    )
+    store = MemoryStore()
+    looked_up: list[str] = []
+    lookup = store.gemm
+
+    async def counted(gemm_id: str) -> Gemm | None:
+        looked_up.append(gemm_id)
+        return await lookup(gemm_id)
+
+    store.gemm = counted
+    a, b = operands(rng, 32, 16, 8, False, False)
+    expected = bits(kernels.gemm(a, b))
+    np.testing.assert_array_equal(
+        bits(await computed_by_two_hosts(config, store, a, b, step=3)), expected
+    )
+    assert looked_up == []
+    (made,) = store.tables["gemms"]
+    again = Coordinator(config, store)
+    await again.start()
+    stop = asyncio.Event()
+    hosts = [asyncio.create_task(honest_host(again, f"h{i}", stop)) for i in range(2)]
+    try:
+        assert again.ledger.stored_through == 3
+        # Step 3 is in the store: looked up (its tiles left with its panels: run again).
+        product = await asyncio.wait_for(again.products.matmul(a, b, step=3), 30)
+        np.testing.assert_array_equal(bits(product), expected)
+        assert looked_up[0] == made
+        # Step 4 is new: no lookup. Asked for again once forgotten, it is looked up.
+        seen = len(looked_up)
+        await asyncio.wait_for(again.products.matmul(a, b, step=4), 30)
+        assert len(looked_up) == seen
+        product = await asyncio.wait_for(again.products.matmul(a, b, step=4), 30)
+        np.testing.assert_array_equal(bits(product), expected)
+        assert len(looked_up) > seen
+        # A checkpoint's pruning lets go of what this run forgot: the store has the word.
+        again.ledger.forget_steps(4)
+        assert again.ledger.may_be_stored("any", 4) and not again.ledger.may_be_stored("any", 5)
     finally:
         stop.set()
         await asyncio.gather(*hosts)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+import types
 
 import msgpack
 import numpy as np
@@ -81,6 +82,18 @@ def test_a_size_not_seen_lately_no_longer_outweighs_those_seen_since():
     assert per_byte > 3e-8 and overhead < 0.1
     stale, _ = watch.cost(now=0.0)  # all of them fresh: the old queues weigh as much
     assert stale > overhead
+
+
+def test_the_crowd_is_fitted_again_once_a_second_or_at_once_for_a_new_size():
+    # Every product asks for the crowd; its cost line moves little between two.
+    watch = CrowdWatch(ledger=types.SimpleNamespace(hosts={}))
+    watch.observe(0.05, 0.0, 1_000, now=0.0)
+    first = watch.crowd(0.0)
+    watch.observe(0.15, 0.0, 1_000, now=0.5)
+    assert watch.crowd(0.5) is first
+    assert watch.crowd(1.0).overhead > first.overhead  # a second on, the line moved
+    watch.observe(0.5, 0.0, 1_000_000, now=1.2)  # a size never seen: the slope it tells
+    assert watch.crowd(1.2).seconds_per_byte > 0
 
 
 def test_a_hundred_laptops_get_tiles_smaller_than_the_projects():
