@@ -64,7 +64,8 @@ class Ledger:
         self.invalid_count = 0
         # What tells a product new to this run from one the store may hold (may_be_stored):
         # the newest step the store had a GEMM of at start (or purged since), and the GEMMs
-        # this run forgot, by step.
+        # this run forgot, by step: ids of the steps the store still keeps rows of, let go
+        # as they are purged (Retention.prune), about two checkpoint intervals' worth.
         self.stored_through = -1
         self.forgotten: dict[int, set[str]] = defaultdict(set)
         self._batch = Batch()
