@@ -70,8 +70,9 @@ class CrowdWatch:
 
     def crowd(self, now: float) -> Crowd:
         """The crowd, its cost line fitted again at most every REMEMBER seconds, or at once
-        when a new size of tile is seen: asked for every product, and the line moves little
-        between two (a fit per product was 2% of a tiny-gpt step's profile)."""
+        when a new size of tile is seen: asked for every product and every work request,
+        and the line moves little between two (a fit per product was 2% of a tiny-gpt
+        step's profile)."""
         fitted = self._fitted
         if fitted is None or not 0 <= now - fitted[0] < REMEMBER or fitted[1] != len(self._sizes):
             overhead, per_byte = self.cost(now)

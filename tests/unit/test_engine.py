@@ -215,21 +215,28 @@ async def published_then_stopped(
     pending.cancel()
 
 
-async def computed_by_two_hosts(
-    config: CoordinatorConfig, store: MemoryStore, a: np.ndarray, b: np.ndarray, step: int = 0
-) -> np.ndarray:
-    """A @ B (of `step`) by a coordinator started over `store` (restarted, as after a stop)
-    and two honest hosts."""
+@contextlib.asynccontextmanager
+async def with_two_hosts(config: CoordinatorConfig, store: MemoryStore):
+    """A coordinator started over `store` (restarted, as after a stop) with two honest hosts
+    asking it for work, until the block ends."""
     again = Coordinator(config, store)
     await again.start()
     stop = asyncio.Event()
     hosts = [asyncio.create_task(honest_host(again, f"h{i}", stop)) for i in range(2)]
     try:
-        return await asyncio.wait_for(again.products.matmul(a, b, step=step), 30)
+        yield again
     finally:
         stop.set()
         await asyncio.gather(*hosts)
         await again.stop()
+
+
+async def computed_by_two_hosts(
+    config: CoordinatorConfig, store: MemoryStore, a: np.ndarray, b: np.ndarray, step: int = 0
+) -> np.ndarray:
+    """A @ B (of `step`) by a coordinator started over `store` and two honest hosts."""
+    async with with_two_hosts(config, store) as co:
+        return await asyncio.wait_for(co.products.matmul(a, b, step=step), 30)
 
 
 async def test_a_product_new_to_this_run_costs_no_lookup_and_one_made_before_is_looked_up(
@@ -257,11 +264,7 @@ async def test_a_product_new_to_this_run_costs_no_lookup_and_one_made_before_is_
     )
     assert looked_up == []
     (made,) = store.tables["gemms"]
-    again = Coordinator(config, store)
-    await again.start()
-    stop = asyncio.Event()
-    hosts = [asyncio.create_task(honest_host(again, f"h{i}", stop)) for i in range(2)]
-    try:
+    async with with_two_hosts(config, store) as again:
         assert again.ledger.stored_through == 3
         # Step 3 is in the store: looked up (its tiles left with its panels: run again).
         product = await asyncio.wait_for(again.products.matmul(a, b, step=3), 30)
@@ -277,10 +280,6 @@ async def test_a_product_new_to_this_run_costs_no_lookup_and_one_made_before_is_
         # A checkpoint's pruning lets go of what this run forgot: the store has the word.
         again.ledger.forget_steps(4)
         assert again.ledger.may_be_stored("any", 4) and not again.ledger.may_be_stored("any", 5)
-    finally:
-        stop.set()
-        await asyncio.gather(*hosts)
-        await again.stop()
 
 
 async def test_replicas_not_yet_sent_are_not_written_and_are_issued_again_after_a_restart(
