@@ -182,6 +182,10 @@ class Waiting:
         self.ledger.log([Event(now, "wait", "flowing", message)])
 
     def note(self) -> str | None:
-        """What a host that got no work is told: why the project's work waits, if it does."""
+        """What a host that got no work is told: why the project's work waits, if it does.
+        Never that no volunteer asks for work: the host asking is one, and the next look
+        finds the reason it meets (a new volunteer was told so on its first ask)."""
         current = self.current
-        return current.message if current is not None and current.reason != "paused" else None
+        if current is None or current.reason in ("paused", "no_volunteers"):
+            return None
+        return current.message

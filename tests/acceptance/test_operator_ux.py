@@ -243,8 +243,11 @@ async def test_work_waits_for_volunteers_then_for_a_larger_one(tmp_path, rng):
             assert "none has asked for work" in co.waiting.current.message
             async with CoordinatorClient(url) as client:
                 await client.register("small", max_memory_mb=1)
+                # The first ask is no news that no volunteer asks: it says what this one meets.
                 reply = await client.request_work("r1", capacity=2, wait=False)
                 assert reply["assignments"] == [] and "raise --max-memory" in reply["note"]
+                reply = await client.request_work("r2", capacity=0, wait=False)
+                assert "none has asked for work" not in reply.get("note", "")
                 for _ in range(2):
                     co.waiting.check(time.time())
                 wait = co.waiting.current
