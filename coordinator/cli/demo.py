@@ -106,26 +106,63 @@ BUSY_MEANING = (
 )
 
 
+class Stopped(KeyboardInterrupt):
+    """The demo was told to stop by a signal (Ctrl-C, `kill`, its terminal closed)."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+
+
+def _raise_stopped(signum: int, frame: object) -> None:
+    raise Stopped(signum)
+
+
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+
+
+def volunteers_needed(project: projects.Project) -> int:
+    """The volunteers a tile of this project needs: one under Freivalds alone, the quorum's
+    number of different ones otherwise."""
+    return project.redundancy.for_policy(project.policy).min_quorum
+
+
 def run_demo(
     volunteers: int, steps: int, directory: Path | None, keep: bool, wait: bool = True
 ) -> None:
-    # Ctrl-C stops the demo and everything it started, even when it was started from a
-    # shell that ignores SIGINT in background jobs (Python then installs no handler of its
-    # own, and the demo would train on, deaf to the signal).
-    signal.signal(signal.SIGINT, signal.default_int_handler)
+    # Ctrl-C, `kill` and a closed terminal each stop the demo and everything it started.
+    # Its children run in sessions of their own (_spawn), so nothing else stops them, and
+    # SIGINT needs a handler even when a shell started the demo ignoring it (a background
+    # job): Python then installs none, and the demo would train on, deaf to Ctrl-C.
+    for signum in STOP_SIGNALS:
+        signal.signal(signum, _raise_stopped)
     temporary = directory is None
+    if not temporary and (directory / projects.PROJECT_FILE).exists():
+        settings = projects.load(directory)
+    else:  # the defaults a new project gets, checked before anything is written
+        settings = projects.Project(directory=Path())
+    needed = volunteers_needed(settings)
+    if volunteers < needed:
+        raise click.ClickException(
+            f"--volunteers {volunteers}: the project's {settings.work.policy} policy has each "
+            f"tile computed by {needed} different volunteers, so its work would wait for "
+            f"ever; use --volunteers {needed} or more"
+        )
     directory = Path(tempfile.mkdtemp(prefix="tilehive-demo-")) if temporary else directory
-    if not (directory / projects.PROJECT_FILE).exists():
-        projects.create(directory, **{"training.steps": steps, "training.checkpoint_every": steps})
-    project = projects.load(directory)
     logs = directory / "logs"
-    logs.mkdir(exist_ok=True)
     children: list[subprocess.Popen] = []
-    click.echo(
-        f"project: {directory} ({project.training.steps} steps, "
-        f"{project.work.policy} validation, {volunteers} volunteers)"
-    )
+    stopped: Stopped | None = None
     try:
+        if not (directory / projects.PROJECT_FILE).exists():
+            projects.create(
+                directory, **{"training.steps": steps, "training.checkpoint_every": steps}
+            )
+        project = projects.load(directory)
+        logs.mkdir(exist_ok=True)
+        click.echo(
+            f"project: {directory} ({project.training.steps} steps, "
+            f"{project.work.policy} validation, {volunteers} volunteers)"
+        )
         coordinator = _spawn(
             ["coordinator", str(directory), "--bind", "127.0.0.1:0", "--keep-serving"],
             logs / "coordinator.log",
@@ -182,31 +219,46 @@ def run_demo(
             click.echo(f"training done; the dashboard stays at {url}/ : press Enter to stop")
             with contextlib.suppress(EOFError):
                 input()
-    except KeyboardInterrupt:
-        click.echo("\ninterrupted; stopping the coordinator and volunteers")
-        raise SystemExit(130) from None
+    except Stopped as stop:
+        stopped = stop
+        click.echo(f"\n{stop} received; stopping the coordinator and volunteers")
+    except BaseException:
+        keep = True  # a failure's logs, named in its message, stay to be read
+        raise
     finally:
+        for signum in STOP_SIGNALS:  # a second Ctrl-C must not leave a child running
+            signal.signal(signum, signal.SIG_IGN)
         for child in reversed(children):
             _stop(child)
+        if temporary and not keep:
+            shutil.rmtree(directory, ignore_errors=True)
     if temporary and not keep:
-        shutil.rmtree(directory, ignore_errors=True)
         click.echo(
             "(the project was temporary and is removed; pass --keep or --dir DIR to keep its "
             "checkpoints and logs)"
         )
     else:
-        click.echo(f"checkpoints: {project.checkpoints}")
+        click.echo(f"checkpoints: {projects.Project(directory=directory).checkpoints}")
         click.echo(f"logs: {logs} (coordinator.log, volunteer-N.log), {directory / 'train.jsonl'}")
+    if stopped is not None:
+        raise SystemExit(128 + stopped.signum)
 
 
 def _watch(coordinator: subprocess.Popen, url: str, steps: int) -> bool:
     """A progress bar over training steps, with loss, tiles/s and rejected tiles, until the
-    coordinator says training is done (True) or exits first (False)."""
+    coordinator says training is done (True) or exits first (False). Why work waits, when
+    it does, is said above the bar once, as the coordinator says it."""
     bar = tqdm(total=steps, unit="step", dynamic_ncols=True, file=sys.stdout)
     last_tiles, last_time, step = 0, time.monotonic(), 0
+    said = None  # the wait last said
     try:
         while coordinator.poll() is None:
             status = _status(url)
+            if status:
+                wait = (status.get("waiting") or {}).get("message")
+                if wait != said:
+                    bar.write(wait or "work flows again")
+                    said = wait
             training = status.get("training") or {}
             now = time.monotonic()
             tiles = status.get("tiles_in", last_tiles)

@@ -9,11 +9,15 @@ import json
 import os
 import pty
 import re
+import signal
 import socket
 import subprocess
 import sys
 import time
 import urllib.request
+from pathlib import Path
+
+import pytest
 
 from coordinator.training import project as projects
 from tests.factories import SMALL, operands, running
@@ -229,6 +233,64 @@ def test_the_demo_with_no_wait_stops_when_training_is_done(tmp_path):
     assert result.returncode == 0, result.stderr
     assert "dashboard: http://127.0.0.1:" in result.stdout
     assert "press Enter" not in result.stdout
+
+
+def started_by(directory: Path) -> list[int]:
+    """The processes whose command line names `directory` (a demo's coordinator and
+    volunteers all do)."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        with contextlib.suppress(OSError):
+            if entry.name.isdigit() and str(directory) in (entry / "cmdline").read_text():
+                found.append(int(entry.name))
+    return found
+
+
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
+def test_a_stopped_demo_stops_what_it_started_and_removes_its_project(tmp_path, signum):
+    demo = subprocess.Popen(
+        [sys.executable, "-m", "coordinator.cli", "demo", "--steps", "500", "--volunteers", "2"],
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        text=True,
+        cwd=ROOT,
+        env={**ENV, "TMPDIR": str(tmp_path)},  # where its temporary project goes
+    )
+    try:
+        while "dashboard: http://" not in (line := demo.stdout.readline()):
+            assert line, "the demo ended before it started its coordinator"
+        [directory] = tmp_path.glob("tilehive-demo-*")
+        poll(lambda: len(started_by(directory)) == 3, what="a coordinator and two volunteers")
+        demo.send_signal(signum)
+        assert demo.wait(90) == 128 + signum
+        said = demo.stdout.read()
+        assert f"{signal.Signals(signum).name} received; stopping" in said
+        assert "the project was temporary and is removed" in said
+        assert not directory.exists()
+        assert started_by(directory) == []
+    finally:
+        if demo.poll() is None:
+            demo.kill()
+            demo.wait()
+        demo.stdout.close()
+        for pid in started_by(tmp_path):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+
+
+def test_the_demo_refuses_fewer_volunteers_than_a_tile_needs(tmp_path):
+    result = tilehive("demo", "--volunteers", "1", "--no-wait", timeout=60)
+    assert result.returncode == 1
+    assert "quorum policy has each tile computed by 2 different volunteers" in result.stderr
+    assert "use --volunteers 2 or more" in result.stderr
+    # A project checked by Freivalds alone needs only one.
+    directory = tmp_path / "demo"
+    projects.create(directory, **{**SMALL, "training.steps": 1, "work.policy": "freivalds"})
+    result = tilehive(
+        "demo", "--volunteers", "1", "--dir", str(directory), "--no-wait", timeout=300
+    )
+    assert result.returncode == 0, result.stderr
 
 
 async def test_work_waits_for_volunteers_then_for_a_larger_one(tmp_path, rng):
