@@ -26,6 +26,9 @@ ACCEPT = f"{frames.CONTENT_TYPE}, {CONTENT_TYPE}"  # framed answers preferred
 # joined again: on loopback both cost 3x the time (benchmarks/transfer.py).
 PIECE_BYTES = 1 << 20
 BAD_REPLY = "bad_reply"  # a busy or failing server's reply that is not msgpack (a proxy's)
+# 5xx that say the server does not speak the request (501 Not Implemented: a POST to a
+# static file server; 505: HTTP Version Not Supported): never a coordinator that is down.
+NOT_SPOKEN = frozenset({501, 505})
 NOT_TILEHIVE = "not_tilehive"  # any other reply in no tilehive coordinator's words
 
 
@@ -196,7 +199,8 @@ class CoordinatorClient:
         except Exception:
             message = None
         if not isinstance(message, dict):
-            if status >= 500 or status in (408, 429):  # a proxy's word on a coordinator down
+            if status in (408, 429) or (status >= 500 and status not in NOT_SPOKEN):
+                # A proxy's word on a coordinator that is down or busy: try again later.
                 raise ServerRefused(status, BAD_REPLY, f"reply to {request} is not msgpack")
             # Another web server: the session decides whether to believe it (NotACoordinator).
             why = not_tilehive(self.url, request, status, resp.content_type, payload)

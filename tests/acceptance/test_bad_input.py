@@ -99,6 +99,12 @@ def html_404() -> Iterator[str]:
 
 
 @pytest.fixture
+def html_501() -> Iterator[str]:
+    """A server that implements no POST (`python3 -m http.server` answers so)."""
+    yield from serve(page(501))
+
+
+@pytest.fixture
 def html_large() -> Iterator[str]:
     """A page of more than a megabyte: the volunteer reads it into one buffer, in pieces."""
     yield from serve(page(200, body=Page.body + b" " * (2 << 20)))
@@ -154,7 +160,8 @@ def test_status_and_admin_refuse_a_malformed_url(url, reason):
 
 
 @pytest.mark.parametrize(
-    ("server", "status"), [("html", 200), ("html_404", 404), ("html_large", 200)]
+    ("server", "status"),
+    [("html", 200), ("html_404", 404), ("html_501", 501), ("html_large", 200)],
 )
 def test_a_volunteer_stops_at_another_web_server(tmp_path, request, server, status):
     url = request.getfixturevalue(server)
