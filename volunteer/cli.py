@@ -204,10 +204,13 @@ def _daemonize(state: StateDir, log_format: str) -> int:
 
 def _run(config: VolunteerConfig, state: StateDir, report: int | None) -> None:
     def fail(message: str) -> None:
+        """Said once: as the `Error:` line on stderr, or in the daemon's log (and by the
+        parent it reports to)."""
+        if report is None:
+            raise click.ClickException(message)
         log.error(message)
-        if report is not None:
-            os.write(report, f"error: {message}".encode())
-        raise click.ClickException(message) if report is None else SystemExit(1)
+        os.write(report, f"error: {message}".encode())
+        raise SystemExit(1)
 
     try:
         lock = state.lock()

@@ -222,6 +222,7 @@ async def test_max_memory_too_small_is_refused_with_a_clear_message(tmp_path, jo
         str(tmp_path / "tiny"),
     )
     assert tiny.returncode == 1 and "Traceback" not in tiny.stderr
+    assert tiny.stderr.count("is too small") == 1, tiny.stderr  # said once
     match = re.search(r"already uses (\d+) MB", tiny.stderr)
     assert match, tiny.stderr
     footprint = int(match.group(1))
