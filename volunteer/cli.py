@@ -273,7 +273,7 @@ async def _report_status(worker: Volunteer, state: StateDir, stop: asyncio.Event
 
 
 def status_line(s: dict[str, Any]) -> str:
-    backoff = f" backoff {s['backoff']:.0f}s" if s["backoff"] else ""
+    backoff = f", backoff {s['backoff']:.0f}s" if s["backoff"] else ""
     # Delivered: flops of the tiles computed over the time computing them; the benchmark
     # (measured at start, shown on the dashboard) is what the kernel does at best.
     return (

@@ -17,6 +17,7 @@ from typing import Any
 from coordinator.state.integrity import has_trained
 from coordinator.state.reader import ProjectReader
 from coordinator.training import history
+from coordinator.training.project import PROJECT_FILE
 
 TASK_KINDS = ("gemm", "wu", "result")
 
@@ -54,8 +55,13 @@ class ProjectView:
         if not self.db_path.exists() or (
             self.db_path.stat().st_size == 0 and not has_trained(self.directory)
         ):
+            if (self.directory / PROJECT_FILE).exists():
+                raise InspectError(
+                    f"{self.directory} is a project whose coordinator has not run yet: "
+                    f"nothing to show before `tilehive coordinator {self.directory}`"
+                )
             raise InspectError(
-                f"{self.directory} has no state.db: not a project, or its coordinator never ran"
+                f"{self.directory} is not a project (no {PROJECT_FILE}, no state.db)"
             )
         self.reader = ProjectReader(self.db_path)
 

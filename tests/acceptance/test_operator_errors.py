@@ -189,7 +189,15 @@ def test_an_empty_state_db_of_a_project_that_never_trained_is_a_new_project(
     project, tmp_path, reaper
 ):
     (project / "state.db").write_bytes(b"")  # SQLite killed before its first write
-    assert "its coordinator never ran" in one_line_error(tilehive("status", str(project)))
+    line = one_line_error(tilehive("status", str(project)))
+    assert line.endswith(
+        f"{project} is a project whose coordinator has not run yet: nothing to show before "
+        f"`tilehive coordinator {project}`"
+    )
+    nothing = tmp_path / "nothing"
+    nothing.mkdir()
+    line = one_line_error(tilehive("status", str(nothing)))
+    assert line.endswith(f"{nothing} is not a project (no project.toml, no state.db)")
     coordinator = reaper(start_coordinator(project, "127.0.0.1:0", tmp_path / "c.log"))
     first_url(coordinator)
     coordinator.send_signal(signal.SIGINT)
