@@ -136,8 +136,13 @@ def _bind(value: str) -> tuple[str, int]:
             f"--bind {value!r} is a URL: give HOST:PORT to listen on (e.g. 0.0.0.0:8470)"
         )
     host, _, port = value.rpartition(":")
-    if not host or not port.isdigit() or not 0 <= int(port) <= 65535:
+    if not host or not port.isdigit():
         raise click.ClickException(f"--bind {value!r} is not HOST:PORT (e.g. 0.0.0.0:8470)")
+    if int(port) > 65535:
+        raise click.ClickException(
+            f"--bind {value!r}: port {int(port)} is out of range: give one from 0 to 65535 "
+            "(0: any free port)"
+        )
     return host.strip("[]"), int(port)
 
 

@@ -110,7 +110,8 @@ def busy_port():
         ("nothing.invalid:8470", "no address for the name 'nothing.invalid'"),
         ("192.0.2.1:8470", "192.0.2.1 is not an address of this machine"),  # TEST-NET-1
         ("http://127.0.0.1:8470", "is a URL: give HOST:PORT"),
-        ("127.0.0.1:99999", "is not HOST:PORT"),
+        ("127.0.0.1:99999", "port 99999 is out of range: give one from 0 to 65535"),
+        ("127.0.0.1:http", "is not HOST:PORT"),
     ],
 )
 def test_a_bind_failure_is_one_line_and_touches_nothing(project, busy_port, bind, reason):
