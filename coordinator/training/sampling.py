@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import re
 
 import numpy as np
 
@@ -10,6 +11,15 @@ from coordinator.training import checkpoints
 from coordinator.training.model import TinyGPT, param_shapes, softmax_rows
 from coordinator.training.project import Project, ProjectError
 from coordinator.training.trainer import LocalBackend
+
+# Control characters but newline and tab: a sampled byte must not move a terminal's cursor,
+# clear its screen or change its colours.
+_CONTROL = re.compile("[\x00-\x08\x0b-\x1f\x7f-\x9f]")
+
+
+def printable(text: str) -> str:
+    """`text` with each control character but newline and tab written as an escape (\\x01)."""
+    return _CONTROL.sub(lambda m: f"\\x{ord(m.group()):02x}", text)
 
 
 def generate(project: Project, prompt: str, length: int, temperature: float, seed: int) -> str:
@@ -32,4 +42,4 @@ def generate(project: Project, prompt: str, length: int, temperature: float, see
         else:
             p = softmax_rows(row / temperature)
             tokens.append(int(rng.choice(len(p), p=p)))
-    return bytes(tokens).decode("utf-8", errors="replace")
+    return printable(bytes(tokens).decode("utf-8", errors="replace"))
