@@ -18,6 +18,7 @@ from coordinator.state.integrity import has_trained
 from coordinator.state.reader import ProjectReader
 from coordinator.training import history
 from coordinator.training.project import PROJECT_FILE
+from coordinator.work.records import WU_DECIDED
 
 TASK_KINDS = ("gemm", "wu", "result")
 
@@ -104,7 +105,9 @@ class ProjectView:
         out = []
         for w in reversed(wus):
             mine = results[w["id"]]
-            finished = [r["received_time"] for r in mine if r["received_time"]]
+            # Done when decided: a replica reported while its quorum waits is not.
+            decided = w["state"] in WU_DECIDED
+            finished = [r["received_time"] for r in mine if r["received_time"] and decided]
             out.append(
                 {
                     "wu": w["id"],

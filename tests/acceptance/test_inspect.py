@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import shutil
@@ -14,7 +15,7 @@ import pytest
 
 from tests.factories import metric_values, operands, running, volunteers
 from tests.procs import ENV, ROOT
-from tests.volunteers import Behaviour
+from tests.volunteers import Behaviour, wait_until
 from volunteer.client import CoordinatorClient
 
 ARTIFACTS = ROOT / "test-artifacts"
@@ -59,6 +60,24 @@ async def test_logs_tasks_lists_every_tile_and_filters(worked):
     assert "l0.fwd" in table.stdout and "[0:16,0:16]" in table.stdout
     bad = tilehive("logs", "tasks", str(project), "--since", "yesterday-ish")
     assert bad.returncode == 2 and "--since" in bad.stderr and "Traceback" not in bad.stderr
+
+
+async def test_a_tile_waiting_for_its_quorum_is_not_shown_done(tmp_path, rng):
+    async with running(tmp_path, tile=16) as (co, queue, url):
+        a, b = operands(rng, 16, 16, 8, False, False)
+        product = asyncio.ensure_future(queue.matmul(a, b, step=1, label="alone"))
+        try:
+            async with volunteers(url, [Behaviour()]) as crew:  # one of the quorum's two
+                await wait_until(lambda: crew[0].done >= 1)
+            await co.ledger.flush()
+            every = tilehive("logs", "tasks", str(tmp_path / "project"), "--json")
+            (row,) = [json.loads(line) for line in every.stdout.splitlines()]
+            assert row["state"] == "active" and row["hosts"] == ["v0"]  # reported, undecided
+            assert row["finished"] is None
+        finally:
+            product.cancel()
+            with contextlib.suppress(BaseException):
+                await product
 
 
 async def test_logs_follow_shows_an_event_that_happens_after_it_started(tmp_path, rng):
