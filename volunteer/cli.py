@@ -341,8 +341,8 @@ def install_service(
 def stop(state_dir: Path, timeout: float) -> None:
     """Stop the volunteer of this state directory: the current tile is finished or
     abandoned and reported."""
-    state = StateDir(state_dir)
-    pid = state.running_pid()
+    state = _existing(state_dir)
+    pid = state.running_pid() if state is not None else None
     if pid is None:
         click.echo(f"no volunteer is running with state directory {state_dir}")
         return
@@ -360,6 +360,11 @@ def stop(state_dir: Path, timeout: float) -> None:
         click.echo(f"volunteer (pid {pid}) did not stop in {timeout:.0f}s and was killed")
         return
     click.echo(f"volunteer stopped (pid {pid})")
+
+
+def _existing(state_dir: Path) -> StateDir | None:
+    """The state directory, if a volunteer ever ran with it: reading it creates nothing."""
+    return StateDir(state_dir) if state_dir.is_dir() else None
 
 
 def alive(pid: int) -> bool:
@@ -384,9 +389,9 @@ def status(state_dir: Path, as_json: bool) -> None:
     """Show whether the volunteer runs and what it has done. Exits 3 when it does not run."""
     import json
 
-    state = StateDir(state_dir)
-    pid = state.running_pid()
-    saved = state.read_status()
+    state = _existing(state_dir)
+    pid = state.running_pid() if state is not None else None
+    saved = state.read_status() if state is not None else None
     if as_json:
         click.echo(json.dumps({"running": pid is not None, **(saved or {})}))
     elif pid is None and saved and saved.get("state") == "finished":

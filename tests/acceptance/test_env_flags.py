@@ -44,5 +44,8 @@ def test_json_comes_from_tilehive_json_not_the_parameter_name(tmp_path):
         "volunteer", "status", "--state-dir", str(tmp_path / "v"), env={"TILEHIVE_JSON": "1"}
     )
     assert json.loads(as_json.stdout)["running"] is False
+    stopped = tilehive("volunteer", "stop", "--state-dir", str(tmp_path / "v"))
+    assert stopped.returncode == 0 and "no volunteer is running" in stopped.stdout
+    assert not (tmp_path / "v").exists()  # asking about a volunteer creates nothing
     keep = tilehive("demo", "--help", env={"TILEHIVE_DIR": str(tmp_path)})
     assert "TILEHIVE_DIR" in keep.stdout and "TILEHIVE_DIRECTORY" not in keep.stdout
