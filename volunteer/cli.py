@@ -399,6 +399,8 @@ def status(state_dir: Path, as_json: bool) -> None:
             f"not running: the project at {saved['url']} is finished "
             f"({saved['tiles']} tiles computed; state directory {state_dir})"
         )
+    elif pid is None and saved and saved.get("state") == "refused":
+        click.echo(f"not running: {saved.get('note')} (state directory {state_dir})")
     elif pid is None:
         click.echo(f"not running (state directory {state_dir})")
     else:

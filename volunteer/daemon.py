@@ -29,6 +29,12 @@ from volunteer.state import StateDir
 
 log = logging.getLogger(__name__)
 
+# States that end the volunteer for good, whatever stopped it afterwards.
+ENDED = ("finished", "refused")
+# States in which the coordinator's last note (why it has no work for us) is news; in the
+# others the volunteer's own note says what is going on (offline, refused, finished).
+HEARD = ("starting", "working", "idle", "paused", "stopped")
+
 
 def default_threads() -> int:
     """All cores but one, so the machine stays responsive."""
@@ -141,7 +147,7 @@ class Volunteer(PullLoop):
         try:
             await self.leave(graceful=True, timeout=self.config.stop_timeout)
         finally:
-            if self.state != "finished":
+            if self.state not in ENDED:
                 self.state = "stopped"
             await self.client.close()
         if stranger is not None:
@@ -202,7 +208,7 @@ class Volunteer(PullLoop):
             "pid": os.getpid(),
             "url": self.config.url,
             "state": self.state,
-            "note": self.note if self.state == "finished" else self.server_note or self.note,
+            "note": self.server_note or self.note if self.state in HEARD else self.note,
             "tiles": s.tiles,
             "gflops": round(s.gflops(), 2),
             "benchmark_gflops": round(self.gflops, 2),

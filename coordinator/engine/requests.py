@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 
 from coordinator.engine.config import CoordinatorConfig
 from coordinator.engine.waiters import Waiters
+from coordinator.rules import trust
 from coordinator.rules.scheduler import (
     Scheduler,
     idle_delay,
@@ -157,9 +158,7 @@ class WorkRequests:
             return Answer(stored)
         if host.quarantined:
             await self.ledger.flush()  # the verdict that quarantined it, if still queued
-            raise Forbidden(
-                f"host {host.id} is quarantined after {host.invalid_count} invalid results"
-            )
+            raise Forbidden(trust.why_quarantined(host, self.config.trust))
         answer = asyncio.get_running_loop().create_future()
         self._inflight[key] = answer
         try:

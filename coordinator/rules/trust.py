@@ -44,3 +44,11 @@ def after_error(host: Host, config: TrustConfig) -> Host:
         error_count=host.error_count + 1,
         max_in_progress=max(1, host.max_in_progress // 2),
     )
+
+
+def why_quarantined(host: Host, config: TrustConfig) -> str:
+    """Why a quarantined host gets no work, for the host itself: its invalid results, or,
+    with fewer than quarantine_after of them, the operator's decision."""
+    if host.invalid_count >= config.quarantine_after:
+        return f"host {host.id} is quarantined after {host.invalid_count} invalid results"
+    return f"host {host.id} is quarantined by the project's operator"

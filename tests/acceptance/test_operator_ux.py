@@ -167,6 +167,23 @@ async def test_admin_quarantine_takes_a_name_and_refuses_an_ambiguous_one(worked
     assert nobody.returncode == 1 and "404: no host named nobody" in nobody.stderr
 
 
+def test_a_volunteer_quarantined_by_the_operator_is_told_so_and_says_so(tmp_path, reaper):
+    project = tmp_path / "project"
+    projects.create(project, **{**SMALL, "training.steps": 5000, "work.tile": 16})
+    coordinator = reaper(start_coordinator(project, "127.0.0.1:0", tmp_path / "c.log"))
+    url = first_url(coordinator)
+    volunteer = reaper(start_volunteer(url, tmp_path / "v", "--name", "mallory"))
+    poll(lambda: volunteer_status(tmp_path / "v").get("tiles", 0) > 0, what="a tile")
+    done = tilehive("admin", "quarantine", url, "mallory", "--project", str(project))
+    assert done.returncode == 0, done.stderr
+    assert volunteer.wait(60) == 0  # refused for good: it stops asking
+    status = volunteer_status(tmp_path / "v")
+    assert status["state"] == "refused"
+    assert status["note"].endswith("is quarantined by the project's operator"), status
+    line = tilehive("volunteer", "status", "--state-dir", str(tmp_path / "v")).stdout
+    assert line.startswith("not running: host ") and "by the project's operator" in line
+
+
 def test_two_volunteers_on_one_machine_get_two_default_names(tmp_path, reaper):
     project = tmp_path / "project"
     # Steps enough to be still training when the status is read (the reaper stops it).
