@@ -20,7 +20,9 @@ from coordinator.training import history
 from coordinator.training.project import PROJECT_FILE
 from coordinator.work.records import WU_DECIDED
 
-TASK_KINDS = ("gemm", "wu", "result")
+# What `logs tasks --follow` streams: the work's events, and what changed why it flows (the
+# operator's pauses and quarantines, work waiting and flowing again).
+TASK_KINDS = ("gemm", "wu", "result", "project", "host", "wait")
 
 
 class InspectError(ValueError):

@@ -9,6 +9,7 @@ import os
 import shutil
 import subprocess
 import sys
+import time
 
 import aiohttp
 import pytest
@@ -108,6 +109,33 @@ async def test_logs_follow_shows_an_event_that_happens_after_it_started(tmp_path
                 follower.wait()
                 follower.stdout.close()
                 follower.stderr.close()
+
+
+async def test_logs_follow_shows_what_the_operator_did(tmp_path):
+    async with running(tmp_path, tile=16) as (co, _, _):
+        await co.ledger.flush()
+        command = ["logs", "tasks", str(tmp_path / "project"), "--follow", "--json"]
+        follower = subprocess.Popen(
+            [sys.executable, "-m", "coordinator.cli", *command],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            cwd=ROOT,
+            env=ENV,
+        )
+        try:
+            ready = await asyncio.wait_for(asyncio.to_thread(follower.stderr.readline), 30)
+            assert "following new events" in ready
+            await co.operator.set_paused(True, time.time())
+            line = await asyncio.wait_for(asyncio.to_thread(follower.stdout.readline), 30)
+            event = json.loads(line)
+            assert (event["kind"], event["state"]) == ("project", "paused")
+            assert event["message"] == "project paused by the operator"
+        finally:
+            follower.kill()
+            follower.wait()
+            follower.stdout.close()
+            follower.stderr.close()
 
 
 async def test_status_from_the_directory_and_from_the_url(worked):
