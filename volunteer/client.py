@@ -246,6 +246,7 @@ class CoordinatorClient:
         gflops: float | None = None,
         wait: bool = True,
         round_trip: float | None = None,
+        leaving: bool = False,
     ) -> dict[str, Any]:
         message: dict[str, Any] = {
             "request_id": request_id,
@@ -254,6 +255,8 @@ class CoordinatorClient:
             "in_progress": list(in_progress),
             "wait": wait,
         }
+        if leaving:
+            message["leaving"] = True
         if gflops is not None:
             message["gflops"] = gflops
         if round_trip is not None:

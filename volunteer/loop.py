@@ -655,11 +655,20 @@ class PullLoop(CoordinatorSession):
                 async with asyncio.timeout(max(1.0, timeout)):
                     while self.pending:
                         await self._flush()
+                    await self._say_goodbye()
             except (ServerRefused, *TRANSIENT) as exc:
                 self._failed("report", exc)
         self.stats.vanished += len(self.queue) + len(self.pending)
         self.queue.clear()
         self.pending.clear()
+
+    async def _say_goodbye(self) -> None:
+        """Tell the coordinator this host stops, holding nothing: it then waits for other
+        volunteers at once, rather than for this one until its silence is long enough."""
+        if self.client.token is None or self.state in ("refused", "finished"):
+            return
+        request_id = f"{self._session_id}-{next(self._requests)}"
+        await self.client.request_work(request_id, capacity=0, wait=False, leaving=True)
 
     def cancel(self) -> None:
         """Stop the downloads of queued work and the work request in flight (a loop

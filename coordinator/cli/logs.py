@@ -14,6 +14,7 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
+from coordinator.engine.progress import host_state
 from coordinator.state.integrity import has_trained
 from coordinator.state.reader import ProjectReader
 from coordinator.training import history
@@ -230,12 +231,9 @@ class ProjectView:
         hosts = self.reader.hosts()
         states = {"active": 0, "idle": 0, "quarantined": 0}
         for h in hosts:
-            key = (
-                "quarantined"
-                if h["quarantined"]
-                else ("active" if now - h["last_contact"] < 300 else "idle")
-            )
-            states[key] += 1
+            # A store from before version 7 has no column `gone` (a Row's `in` reads values).
+            gone = "gone" in h.keys() and bool(h["gone"])  # noqa: SIM118
+            states[host_state(h["quarantined"], gone, h["last_contact"], now)] += 1
         recent = self.reader.count_events_since("result", "success", now - 60)
         return {
             "workunits": wus,

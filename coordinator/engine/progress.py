@@ -13,6 +13,16 @@ from coordinator.work.records import GemmState
 ACTIVE_WITHIN = 300.0  # seconds since its last contact for a host to count as active
 
 
+def host_state(quarantined: bool, gone: bool, last_contact: float, now: float) -> str:
+    """How `status` counts a host: quarantined; active if in contact lately and not stopped
+    (a volunteer that said it stops is idle at once); idle otherwise."""
+    if quarantined:
+        return "quarantined"
+    if not gone and now - last_contact < ACTIVE_WITHIN:
+        return "active"
+    return "idle"
+
+
 class Progress:
     def __init__(self, ledger: Ledger, stats: dict) -> None:
         self.ledger = ledger
@@ -60,13 +70,8 @@ class Progress:
     def host_states(self, now: float | None = None) -> dict[str, int]:
         now = time.time() if now is None else now
         states = {"active": 0, "idle": 0, "quarantined": 0}
-        for host in self.ledger.hosts.values():
-            if host.quarantined:
-                states["quarantined"] += 1
-            elif now - host.last_contact < ACTIVE_WITHIN:
-                states["active"] += 1
-            else:
-                states["idle"] += 1
+        for h in self.ledger.hosts.values():
+            states[host_state(h.quarantined, h.gone, h.last_contact, now)] += 1
         return states
 
     def full_status(self) -> dict:

@@ -7,6 +7,7 @@ the same bytes back instead of a second set of assignments (BOINC's ghost tasks)
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from collections import OrderedDict
 from collections.abc import Callable
@@ -24,8 +25,11 @@ from coordinator.rules.scheduler import (
 from coordinator.state.blobs import BlobStore
 from coordinator.state.ledger import Ledger
 from coordinator.state.store import Reply, Store
+from coordinator.work.events import Event
 from coordinator.work.protocol import Forbidden, WorkRequest, encode
 from coordinator.work.records import Host, Result, WorkUnit
+
+log = logging.getLogger(__name__)
 
 REPLIES_KEPT_PER_HOST = 16  # in memory; the store keeps config.replies_per_host
 PAUSED_DELAY = 5.0  # seconds a host waits before asking a paused project again
@@ -136,7 +140,7 @@ class WorkRequests:
         return [
             h.id
             for h in self.ledger.hosts.values()
-            if h.last_contact >= since and not h.quarantined and h.id not in self.told
+            if h.last_contact >= since and not (h.quarantined or h.gone) and h.id not in self.told
         ]
 
     async def request_work(self, host: Host, request: WorkRequest, now: float) -> Answer:
@@ -174,10 +178,16 @@ class WorkRequests:
 
     async def _answer(self, host: Host, request: WorkRequest, now: float) -> Answer:
         # Re-read: the record may have changed while this request awaited the store.
-        host = self.ledger.hosts[host.id].evolve(last_contact=now)
+        host = self.ledger.hosts[host.id].evolve(last_contact=now, gone=request.leaving)
         if request.gflops:
             host = host.evolve(gflops=request.gflops)
         self.ledger.put_host(host)
+        if request.leaving:
+            # Nothing to plan: what it held it gave back before (a resend would be wrong).
+            message = f"host {host.id} {host.name!r} stopped: not waited for until it asks again"
+            log.info(message)
+            self.ledger.log([Event(now, "host", "left", message, host_id=host.id)])
+            return Answer(encode({"assignments": [], "abort": [], "bytes_saved": 0, "delay": 0}))
         if self.finished:
             return self._finished(host, request)
         if self.paused:

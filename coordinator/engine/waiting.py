@@ -63,7 +63,7 @@ def explain(ledger: Ledger, paused: bool, now: float, storage: str | None = None
     hosts = [
         h
         for h in ledger.hosts.values()
-        if not h.quarantined and now - h.last_contact < CONNECTED_WITHIN
+        if not (h.quarantined or h.gone) and now - h.last_contact < CONNECTED_WITHIN
     ]
     waiting = len(ledger.unsent)
     if not hosts:

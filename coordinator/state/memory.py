@@ -28,6 +28,7 @@ _MUTABLE = {
         "error_count",
         "max_in_progress",
         "quarantined",
+        "gone",
     ),
     "workunits": (
         "target_nresults",

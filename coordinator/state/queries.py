@@ -137,6 +137,7 @@ def to_result(row: Row) -> Result:
 def to_host(row: Row) -> Host:
     d = dict(row)
     d["quarantined"] = bool(d["quarantined"])
+    d["gone"] = bool(d["gone"])
     return Host(**d)
 
 

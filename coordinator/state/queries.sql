@@ -16,14 +16,15 @@ ON CONFLICT(id) DO UPDATE SET state = excluded.state, error = excluded.error;
 -- name: upsert_host
 INSERT INTO hosts (id, name, token_hash, created, last_contact, gflops, threads, max_memory_mb,
                    consecutive_valid, valid_count, invalid_count, error_count, max_in_progress,
-                   quarantined)
-VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?11, ?12, ?13, ?14)
+                   quarantined, gone)
+VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?11, ?12, ?13, ?14, ?15)
 ON CONFLICT(id) DO UPDATE SET
     name = excluded.name, last_contact = excluded.last_contact, gflops = excluded.gflops,
     threads = excluded.threads, max_memory_mb = excluded.max_memory_mb,
     consecutive_valid = excluded.consecutive_valid, valid_count = excluded.valid_count,
     invalid_count = excluded.invalid_count, error_count = excluded.error_count,
-    max_in_progress = excluded.max_in_progress, quarantined = excluded.quarantined;
+    max_in_progress = excluded.max_in_progress, quarantined = excluded.quarantined,
+    gone = excluded.gone;
 
 -- name: upsert_workunit
 INSERT INTO workunits (id, gemm_id, step, i0, i1, j0, j1, k, a_panel, b_panel, trans_a,

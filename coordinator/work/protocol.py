@@ -263,6 +263,9 @@ class WorkRequest:
     # The host's shortest recent call, in seconds (None: not said): a host far away is
     # answered once the training loop has published what it was about to (engine/requests.py).
     round_trip: float | None = None
+    # The host stops now (its last request; what it held it gave back or reported): it is
+    # not counted as connected, nor waited for, until it asks again.
+    leaving: bool = False
 
 
 def parse_work_request(message: dict[str, Any]) -> WorkRequest:
@@ -274,6 +277,9 @@ def parse_work_request(message: dict[str, Any]) -> WorkRequest:
         raise BadRequest(f"field 'capacity' must be between 0 and {MAX_CAPACITY}, got {capacity}")
     gflops = _number(message, "gflops", 0.0, 1e6, None)
     round_trip = _number(message, "round_trip", 0.0, MAX_ROUND_TRIP, None)
+    leaving = _get(message, "leaving", bool, False)
+    if leaving and capacity:
+        raise BadRequest("a host that is leaving asks for no work: field 'capacity' must be 0")
     return WorkRequest(
         request_id=request_id,
         capacity=capacity,
@@ -282,6 +288,7 @@ def parse_work_request(message: dict[str, Any]) -> WorkRequest:
         gflops=None if gflops is None else float(gflops),
         wait=_get(message, "wait", bool, True),
         round_trip=None if round_trip is None else float(round_trip),
+        leaving=leaving,
     )
 
 

@@ -273,6 +273,7 @@ class Host:
     error_count: int = 0
     max_in_progress: int = 4
     quarantined: bool = False
+    gone: bool = False  # said it stops: not counted as connected until it asks again
 
     def evolve(self, **changes: object) -> Self:
         return evolve_record(self, changes)

@@ -92,6 +92,33 @@ def test_one_volunteer_is_told_why_work_waits_and_a_finished_project_tells_them(
     assert "step 2 of 2" in done and "training finished" in done and "ETA: done" in done
 
 
+def test_a_volunteer_that_stops_is_not_waited_for(tmp_path, reaper):
+    """Under quorum, the second of two volunteers stopping leaves the first with nobody to
+    agree with: work waits for another volunteer, said at once, not once the stopped one has
+    been silent for a minute."""
+    project = tmp_path / "project"
+    projects.create(project, **{**SMALL, "training.steps": 5000, "work.tile": 16})
+    coordinator = reaper(start_coordinator(project, "127.0.0.1:0", tmp_path / "c.log"))
+    url = first_url(coordinator)
+    reaper(start_volunteer(url, tmp_path / "v0"))
+    leaving = reaper(start_volunteer(url, tmp_path / "v1", "--name", "leaver"))
+    poll(lambda: status_of(url)["training"]["step"] >= 1, what="a step done by both")
+    leaving.send_signal(signal.SIGINT)
+    assert leaving.wait(60) == 0
+    poll(
+        lambda: (status_of(url).get("waiting") or {}).get("reason") == "needs_hosts",
+        timeout=30,  # a host silent for CONNECTED_WITHIN (60 s) would count as gone only then
+        what="the coordinator to say work waits for another volunteer",
+    )
+    assert status_of(url)["host_states"] == {"active": 1, "idle": 1, "quarantined": 0}
+    poll(
+        lambda: "hosts: 1 active, 1 idle" in tilehive("status", str(project)).stdout,
+        what="status from the files to count the stopped volunteer idle",
+    )
+    said = (tmp_path / "c.log").read_text()
+    assert "'leaver' stopped: not waited for until it asks again" in said
+
+
 # ---- item 5: the logs show the newest, say when they cut, refuse unknown states ------------
 
 

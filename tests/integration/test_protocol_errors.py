@@ -75,6 +75,14 @@ async def test_malformed_and_forged_requests_get_clear_4xx(server):
             ),
             (
                 "/v1/work",
+                pack({"request_id": "r", "capacity": 2, "leaving": True}),
+                auth,
+                400,
+                "a host that is leaving asks for no work",
+            ),
+            ("/v1/work", pack({"request_id": "r", "capacity": 0, "leaving": 1}), auth, 400, "int"),
+            (
+                "/v1/work",
                 pack({"request_id": "r", "capacity": 1, "cached": ["zz"]}),
                 auth,
                 400,
