@@ -294,7 +294,9 @@ async def test_results_an_older_coordinator_wrote_unsent_are_dropped_on_upgrade(
     )
     await store.close()
     db = sqlite3.connect(path)
-    db.execute("PRAGMA user_version = 4")  # as the coordinator before this schema left it
+    # As the coordinator before this schema left it (without schema 7's column too).
+    db.execute("ALTER TABLE hosts DROP COLUMN gone")
+    db.execute("PRAGMA user_version = 4")
     db.commit()
     db.close()
     store = SqliteStore(path)
@@ -326,6 +328,7 @@ async def test_an_upgraded_projects_log_reads_as_before_and_goes_on(tmp_path):
     db = sqlite3.connect(path)
     db.execute("CREATE INDEX events_kind ON events(kind, id)")  # as schema 5 left them
     db.execute("CREATE INDEX events_step ON events(step)")
+    db.execute("ALTER TABLE hosts DROP COLUMN gone")  # schema 7's
     db.execute("PRAGMA user_version = 5")
     db.commit()
     db.close()
