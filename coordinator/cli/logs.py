@@ -259,7 +259,8 @@ class ProjectView:
         serving = running is not None and running.get("command") == "coordinator"
         current = wait is not None and wait["state"] == "waiting"
         if serving and current and wait["time"] >= running["since"] - 1:
-            waiting = {"message": wait["message"], "since": wait["time"]}
+            reason = json.loads(wait["data"] or "{}").get("reason")
+            waiting = {"reason": reason, "message": wait["message"], "since": wait["time"]}
         return {
             "paused": pause is not None and pause["state"] == "paused",
             "waiting": waiting,

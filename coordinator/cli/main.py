@@ -606,6 +606,8 @@ def status_lines(where: str, s: dict) -> list[str]:
         lines.append("ETA: done")
     elif s.get("paused"):
         lines.append("ETA: none while paused")
+    elif "coordinator" in s and not s["coordinator"]:
+        lines.append("ETA: none while no coordinator runs")
     elif waiting:
         lines.append("ETA: unknown while work waits (see above)")
     else:

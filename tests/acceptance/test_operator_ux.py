@@ -119,6 +119,23 @@ def test_a_volunteer_that_stops_is_not_waited_for(tmp_path, reaper):
     assert "'leaver' stopped: not waited for until it asks again" in said
 
 
+def test_status_from_the_files_says_a_pause_once_and_no_eta_without_a_coordinator(tmp_path, reaper):
+    project = tmp_path / "project"
+    projects.create(project, **{**SMALL, "training.steps": 5000, "work.tile": 16})
+    coordinator = reaper(start_coordinator(project, "127.0.0.1:0", tmp_path / "c.log"))
+    url = first_url(coordinator)
+    assert tilehive("admin", "pause", url, "--project", str(project)).returncode == 0
+    poll(lambda: status_of(str(project))["waiting"] is not None, what="the pause as a wait")
+    said = tilehive("status", str(project)).stdout
+    assert said.count("paused") == 1 and "waiting:" not in said, said
+    assert "ETA: none while paused" in said
+    assert tilehive("admin", "resume", url, "--project", str(project)).returncode == 0
+    coordinator.send_signal(signal.SIGINT)
+    assert coordinator.wait(60) == 130
+    said = tilehive("status", str(project)).stdout
+    assert "coordinator: not running" in said and "ETA: none while no coordinator runs" in said
+
+
 # ---- item 5: the logs show the newest, say when they cut, refuse unknown states ------------
 
 
