@@ -19,7 +19,7 @@ from coordinator.state.integrity import has_trained
 from coordinator.state.reader import ProjectReader
 from coordinator.training import history
 from coordinator.training.project import PROJECT_FILE
-from coordinator.work.records import WU_DECIDED
+from coordinator.work.records import WU_DECIDED, WuError, WuState
 
 # What `logs tasks --follow` streams: the work's events, and what changed why it flows (the
 # operator's pauses and quarantines, work waiting and flowing again).
@@ -132,6 +132,11 @@ class ProjectView:
                     ),
                     "created": w["created"],
                     "finished": max(finished) if finished else None,
+                    "error": (
+                        WuError(w["error_mask"]).reason(w["gemm_error"])
+                        if w["state"] == WuState.ERROR
+                        else None
+                    ),
                 }
             )
         return out

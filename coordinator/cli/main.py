@@ -477,6 +477,7 @@ def logs_tasks(
                 f"{f'[{i0}:{i1},{j0}:{j1}]':19} {r['state']:11} "
                 f"{r['valid']:>2}/{r['replicas']:<2}  {','.join(r['hosts'])[:24]:24} "
                 f"{_clock(r['created'])}  {_clock(r['finished'])}"
+                + (f"  {r['error']}" if r["error"] else "")
             )
     _cut(len(rows), total, "work units")
     if follow:

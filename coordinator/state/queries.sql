@@ -152,7 +152,7 @@ SELECT (SELECT COUNT(*) FROM results WHERE validate_state = 'invalid')
 SELECT id FROM hosts WHERE name = :name ORDER BY id;
 
 -- name: select_workunits_for_log
-SELECT w.*, g.label FROM workunits w JOIN gemms g ON g.id = w.gemm_id
+SELECT w.*, g.label, g.error AS gemm_error FROM workunits w JOIN gemms g ON g.id = w.gemm_id
 WHERE (:step IS NULL OR w.step = :step)
   AND (:state IS NULL OR w.state = :state)
   AND (:since IS NULL OR w.created >= :since)

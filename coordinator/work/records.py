@@ -56,7 +56,24 @@ class WuError(enum.IntFlag):
     TOO_MANY_ERRORS = 2
     TOO_MANY_SUCCESS = 4  # BOINC: too many successes without a quorum
     TOO_MANY_TOTAL = 8
-    CANCELLED = 16  # the operator cancelled its step
+    CANCELLED = 16  # its product was dropped: its step cancelled, or its panels lost
+
+    def reason(self, product_error: str = "") -> str:
+        """Why a work unit failed, for a person: each bit's meaning, and for a dropped
+        product what its GEMM says (`product_error`)."""
+        texts = dict(_WU_ERROR_TEXT)
+        if product_error:
+            texts[WuError.CANCELLED] = product_error
+        return "; ".join(text for bit, text in texts.items() if self & bit) or "failed"
+
+
+_WU_ERROR_TEXT = {
+    WuError.COULDNT_SEND: "no host could be sent it",
+    WuError.TOO_MANY_ERRORS: "too many client errors",
+    WuError.TOO_MANY_SUCCESS: "too many results, no quorum among them",
+    WuError.TOO_MANY_TOTAL: "too many results without a decision",
+    WuError.CANCELLED: "its product was dropped",
+}
 
 
 class ServerState(enum.StrEnum):

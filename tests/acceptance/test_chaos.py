@@ -340,6 +340,12 @@ async def test_a_cancelled_step_stops_training_and_a_restart_runs_it_again_bitwi
         assert "training stopped: step 2 cancelled by the operator" in said
         assert "Traceback" not in said, said[-3000:]
         assert not (remote / "checkpoints" / "step-000002.npz").exists()
+        # The task log says why its work units failed, in the table and in --json.
+        listed = tilehive("logs", "tasks", str(remote), "--failures", "--json")
+        failed = [json.loads(line) for line in listed.stdout.splitlines()]
+        assert failed and {r["error"] for r in failed} == {"step 2 cancelled by the operator"}
+        table = tilehive("logs", "tasks", str(remote), "--failures").stdout
+        assert table.count("step 2 cancelled by the operator") == len(failed)
         coordinator = reaper(start_coordinator(remote, port, log))
         await finish(coordinator, log)
     finally:
