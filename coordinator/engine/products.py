@@ -271,9 +271,10 @@ class Products:
                 return gid, gemm
             attempt += 1
             log.info(
-                "step %d: %s failed in an earlier run; running it again (attempt %d)",
+                "step %d: %s failed in an earlier run (%s); running it again (attempt %d)",
                 gemm.step,
                 gemm.label or f"GEMM {gid[:12]}",
+                gemm.error or "no reason recorded",
                 attempt + 1,
             )
 

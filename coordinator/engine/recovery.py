@@ -32,9 +32,11 @@ def _recovered(message: str, *args: object) -> None:
         log.info(message, *args)
         return
     _explained = True
-    log.warning(
-        message + " (blobs not written before the coordinator stopped, or damaged on disk, are "
-        "made again from what is committed; more of these are logged at INFO)",
+    # Expected after any stop, orderly or not: the blob store keeps a product's blobs in
+    # memory and lets them go unwritten (docs/architecture.md, "Durability").
+    log.info(
+        message + " (blobs live in memory and are not written, so a restart makes again, "
+        "bit for bit, those of the products since the last checkpoint; expected after a stop)",
         *args,
     )
 
