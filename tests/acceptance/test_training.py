@@ -117,7 +117,7 @@ async def test_a_coordinator_killed_mid_step_resumes_bitwise_equal(tmp_path, rea
     # Step 3's blobs were held in memory when the coordinator was killed: they are made
     # again, and the log says why once, not once a product.
     recovered = [line for line in said.splitlines() if "gone;" in line]
-    assert sum(" WARNING " in line for line in recovered) == 1, recovered[:5]
+    assert sum("expected after a stop" in line for line in recovered) == 1, recovered[:5]
     assert len(recovered) > 1
     # The volunteers talked to each coordinator through its local socket: the killed one's
     # name reached nothing, so they went back to TCP and took the new one's.
