@@ -153,7 +153,8 @@ class Reports:
             output_hash = hashes.get(entry.result_id, entry.output_hash)
             verdict = self._apply(host, entry, result, wu, output_hash, tile is not None, now)
             summary[verdict].append(entry.result_id)
-        self.ledger.put_host(self.ledger.hosts[host.id].evolve(last_contact=now))
+        # A host that reports is back, if it had said it was leaving.
+        self.ledger.put_host(self.ledger.hosts[host.id].evolve(last_contact=now, gone=False))
         if request.work is None:
             self.ledger.commit_soon()
         # else: committed with the answer to the host's ask for work, in one transaction
