@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import signal
@@ -10,6 +11,7 @@ import socket
 import sqlite3
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -81,6 +83,27 @@ def tilehive(
         env={**ENV, **(env or {})},
         timeout=timeout,
     )
+
+
+@contextlib.contextmanager
+def following(*args: str) -> Iterator[subprocess.Popen]:
+    """`tilehive ARGS` that runs until stopped (`logs ... --follow`), its stdout and stderr
+    piped for the test to read; killed at the end."""
+    process = subprocess.Popen(
+        [sys.executable, "-m", "coordinator.cli", *args],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        cwd=ROOT,
+        env=ENV,
+    )
+    try:
+        yield process
+    finally:
+        process.kill()
+        process.wait()
+        process.stdout.close()
+        process.stderr.close()
 
 
 def start_volunteer(url: str, state_dir: Path, *options: str) -> subprocess.Popen:

@@ -15,7 +15,7 @@ import aiohttp
 import pytest
 
 from tests.factories import metric_values, operands, running, volunteers
-from tests.procs import ENV, ROOT
+from tests.procs import ENV, ROOT, following
 from tests.volunteers import Behaviour, wait_until
 from volunteer.client import CoordinatorClient
 
@@ -87,55 +87,29 @@ async def test_logs_follow_shows_an_event_that_happens_after_it_started(tmp_path
         async with volunteers(url, [Behaviour()] * 2) as crew:
             await crew.finish(queue.matmul(a, b, step=1, label="first"))
             await co.ledger.flush()
-            command = ["logs", "tasks", str(tmp_path / "project"), "--follow", "--json"]
-            follower = subprocess.Popen(
-                [sys.executable, "-m", "coordinator.cli", *command, "--step", "7"],
-                stdout=subprocess.PIPE,
-                stderr=subprocess.PIPE,
-                text=True,
-                cwd=ROOT,
-                env=ENV,
-            )
-            try:
-                ready = await asyncio.wait_for(asyncio.to_thread(follower.stderr.readline), 30)
+            project = str(tmp_path / "project")
+            with following("logs", "tasks", project, "--follow", "--json", "--step", "7") as f:
+                ready = await asyncio.wait_for(asyncio.to_thread(f.stderr.readline), 30)
                 assert "following new events" in ready
                 await crew.finish(queue.matmul(b, a, step=7, label="later"))
-                line = await asyncio.wait_for(asyncio.to_thread(follower.stdout.readline), 30)
+                line = await asyncio.wait_for(asyncio.to_thread(f.stdout.readline), 30)
                 event = json.loads(line)
                 assert event["type"] == "event" and event["step"] == 7
                 assert event["kind"] == "gemm" and "later" in event["message"]
-            finally:
-                follower.kill()
-                follower.wait()
-                follower.stdout.close()
-                follower.stderr.close()
 
 
 async def test_logs_follow_shows_what_the_operator_did(tmp_path):
     async with running(tmp_path, tile=16) as (co, _, _):
         await co.ledger.flush()
-        command = ["logs", "tasks", str(tmp_path / "project"), "--follow", "--json"]
-        follower = subprocess.Popen(
-            [sys.executable, "-m", "coordinator.cli", *command],
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-            cwd=ROOT,
-            env=ENV,
-        )
-        try:
-            ready = await asyncio.wait_for(asyncio.to_thread(follower.stderr.readline), 30)
+        project = str(tmp_path / "project")
+        with following("logs", "tasks", project, "--follow", "--json") as f:
+            ready = await asyncio.wait_for(asyncio.to_thread(f.stderr.readline), 30)
             assert "following new events" in ready
             await co.operator.set_paused(True, time.time())
-            line = await asyncio.wait_for(asyncio.to_thread(follower.stdout.readline), 30)
+            line = await asyncio.wait_for(asyncio.to_thread(f.stdout.readline), 30)
             event = json.loads(line)
             assert (event["kind"], event["state"]) == ("project", "paused")
             assert event["message"] == "project paused by the operator"
-        finally:
-            follower.kill()
-            follower.wait()
-            follower.stdout.close()
-            follower.stderr.close()
 
 
 async def test_status_from_the_directory_and_from_the_url(worked):

@@ -26,6 +26,7 @@ from tests.procs import (
     ROOT,
     committed,
     first_url,
+    following,
     poll,
     start_coordinator,
     start_volunteer,
@@ -162,15 +163,7 @@ async def test_logs_show_the_newest_and_say_when_they_cut(worked):
 
 async def test_logs_follow_one_line_per_step(worked):
     *_, project, _ = worked
-    follower = subprocess.Popen(
-        [sys.executable, "-m", "coordinator.cli", "logs", "tasks", str(project), "-f", "--by-step"],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        cwd=ROOT,
-        env=ENV,
-    )
-    try:
+    with following("logs", "tasks", str(project), "-f", "--by-step") as follower:
         while "one line per step" not in await asyncio.to_thread(follower.stderr.readline):
             pass
         # What the trainer appends when step 1 ends (the worked products were step 1's).
@@ -180,11 +173,6 @@ async def test_logs_follow_one_line_per_step(worked):
         line = await asyncio.wait_for(asyncio.to_thread(follower.stdout.readline), 30)
         assert "step 1: loss 5.2500" in line and "work units (" in line
         assert re.search(r"[1-9]\d* invalid results", line)
-    finally:
-        follower.kill()
-        follower.wait()
-        follower.stdout.close()
-        follower.stderr.close()
 
 
 # ---- item 7: names ------------------------------------------------------------------
