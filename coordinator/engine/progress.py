@@ -60,12 +60,12 @@ class Progress:
             self.rates.append((now, self.stats["tiles_in"]))
 
     def tiles_per_second(self, window: float = 60.0) -> float:
-        """Tiles received per second over the last `window` seconds."""
+        """Tiles received over the last `window` seconds, per second of it: what `status`
+        from the project's files counts too (its results of the last minute over 60 s), so
+        the two agree, through a pause or a quiet spell as much as in full flow."""
         now = time.time()
-        recent = [(t, n) for t, n in self.rates if t >= now - window]
-        recent.append((now, self.stats["tiles_in"]))
-        (t0, n0), (t1, n1) = recent[0], recent[-1]
-        return (n1 - n0) / (t1 - t0) if t1 > t0 else 0.0
+        before = [n for t, n in self.rates if t <= now - window]
+        return (self.stats["tiles_in"] - (before[-1] if before else 0)) / window
 
     def host_states(self, now: float | None = None) -> dict[str, int]:
         now = time.time() if now is None else now

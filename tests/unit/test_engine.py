@@ -873,3 +873,22 @@ async def test_a_waiting_host_gets_the_first_micro_batchs_next_product_before_th
         await asyncio.gather(*chains, return_exceptions=True)
     finally:
         await co.stop()
+
+
+def test_tiles_per_second_is_the_last_minutes_tiles_over_a_minute(monkeypatch):
+    """As `status` from the files counts it (results of the last 60 s over 60), so the
+    coordinator's figure agrees with it, a quiet spell included."""
+    from coordinator.engine.progress import Progress
+    from coordinator.state.ledger import Ledger
+
+    stats = {"tiles_in": 0}
+    progress = Progress(Ledger(store=None), stats)
+    clock = [1000.0]
+    monkeypatch.setattr(time, "time", lambda: clock[0])
+    for second in range(30):  # 10 tiles a second for 30 s, sampled after each pass
+        stats["tiles_in"] += 10
+        progress.sample_rate(1000.0 + second)
+    clock[0] = 1029.0
+    assert progress.tiles_per_second() == 300 / 60
+    clock[0] = 1080.0  # 51 s without a tile: the burst's 9 last seconds left in the minute
+    assert progress.tiles_per_second() == (300 - 210) / 60
