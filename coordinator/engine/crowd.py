@@ -93,7 +93,7 @@ class CrowdWatch:
             hosts = [
                 h
                 for h in self.ledger.hosts.values()
-                if not (h.quarantined or h.gone) and now - h.last_contact <= RECENT
+                if h.in_service and now - h.last_contact <= RECENT
             ]
             memory = [h.max_memory_mb << 20 for h in hosts if h.max_memory_mb]
             looked = Crowd(

@@ -140,7 +140,7 @@ class WorkRequests:
         return [
             h.id
             for h in self.ledger.hosts.values()
-            if h.last_contact >= since and not (h.quarantined or h.gone) and h.id not in self.told
+            if h.last_contact >= since and h.in_service and h.id not in self.told
         ]
 
     async def request_work(self, host: Host, request: WorkRequest, now: float) -> Answer:

@@ -61,9 +61,7 @@ def explain(ledger: Ledger, paused: bool, now: float, storage: str | None = None
     if not ledger.unsent:
         return None
     hosts = [
-        h
-        for h in ledger.hosts.values()
-        if not (h.quarantined or h.gone) and now - h.last_contact < CONNECTED_WITHIN
+        h for h in ledger.hosts.values() if h.in_service and now - h.last_contact < CONNECTED_WITHIN
     ]
     waiting = len(ledger.unsent)
     if not hosts:

@@ -292,6 +292,11 @@ class Host:
     quarantined: bool = False
     gone: bool = False  # said it stops: not counted as connected until it asks again
 
+    @property
+    def in_service(self) -> bool:
+        """Neither quarantined nor stopped: a host work may go to, and be waited for."""
+        return not (self.quarantined or self.gone)
+
     def evolve(self, **changes: object) -> Self:
         return evolve_record(self, changes)
 
