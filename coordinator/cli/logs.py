@@ -14,7 +14,7 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
-from coordinator.engine.progress import host_state
+from coordinator.engine.progress import host_state, settle_eta
 from coordinator.state.integrity import has_trained
 from coordinator.state.reader import ProjectReader
 from coordinator.training import history
@@ -240,7 +240,7 @@ class ProjectView:
             gone = "gone" in h.keys() and bool(h["gone"])  # noqa: SIM118
             states[host_state(h["quarantined"], gone, h["last_contact"], now)] += 1
         recent = self.reader.count_events_since("result", "success", now - 60)
-        return {
+        summary = {
             "workunits": wus,
             "results": results,
             "hosts": len(hosts),
@@ -251,6 +251,7 @@ class ProjectView:
             "training": training_progress(self.directory),
             **self.project_state(),
         }
+        return settle_eta(summary)
 
     def project_state(self) -> dict[str, Any]:
         """paused and waiting as the running coordinator last recorded them (a pause outlasts

@@ -12,6 +12,7 @@ import numpy as np
 
 import kernels
 from coordinator.cli import remote
+from coordinator.engine.progress import eta
 from coordinator.state.integrity import DamagedState
 from coordinator.state.lock import ProjectBusy, ProjectLock
 from coordinator.training.corpus import CorpusError
@@ -576,7 +577,6 @@ def status_lines(where: str, s: dict) -> list[str]:
     steps = t.get("steps") or "?"
     loss = f", loss {t['loss']:.4f}" if "loss" in t else ""
     val = f" (validation {t['val_loss']:.4f})" if "val_loss" in t else ""
-    eta = t.get("eta_seconds")
     hosts = s.get("host_states", {})
     wus = ", ".join(f"{n} {k}" for k, n in sorted(s.get("workunits", {}).items())) or "none"
     in_flight = s.get("results", {}).get("in_progress", 0)
@@ -603,16 +603,9 @@ def status_lines(where: str, s: dict) -> list[str]:
         f"{hosts.get('quarantined', 0)} quarantined",
         f"validation failures: {s.get('invalid', 0)} invalid results",
     ]
-    if t.get("done"):
-        lines.append("ETA: done")
-    elif s.get("paused"):
-        lines.append("ETA: none while paused")
-    elif "coordinator" in s and not s["coordinator"]:
-        lines.append("ETA: none while no coordinator runs")
-    elif waiting:
-        lines.append("ETA: unknown while work waits (see above)")
-    else:
-        lines.append(f"ETA: {int(eta)}s" if eta is not None else "ETA: unknown")
+    seconds, why_none = eta(s)
+    see_above = " (see above)" if waiting and why_none == "unknown while work waits" else ""
+    lines.append(f"ETA: {int(seconds)}s" if seconds is not None else f"ETA: {why_none}{see_above}")
     if "coordinator" in s and not s["coordinator"]:
         lines.append("coordinator: not running (tilehive coordinator DIR)")
     return lines

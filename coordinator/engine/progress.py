@@ -23,6 +23,31 @@ def host_state(quarantined: bool, gone: bool, last_contact: float, now: float) -
     return "idle"
 
 
+def eta(summary: dict) -> tuple[float | None, str]:
+    """The time left, as status and the dashboard show it: (seconds, "") while training
+    flows, or (None, why there is none): done, paused, no coordinator running, work waiting
+    (the step times of before say nothing of when it flows again), or no step timed yet."""
+    training = summary.get("training") or {}
+    if training.get("done"):
+        return None, "done"
+    if summary.get("paused"):
+        return None, "none while paused"
+    if "coordinator" in summary and not summary["coordinator"]:
+        return None, "none while no coordinator runs"
+    if summary.get("waiting"):
+        return None, "unknown while work waits"
+    seconds = training.get("eta_seconds")
+    return (seconds, "") if seconds is not None else (None, "unknown")
+
+
+def settle_eta(summary: dict) -> dict:
+    """The summary with its training's eta_seconds None where `eta` says there is none, so
+    `status --json` agrees with what status and the dashboard print."""
+    if summary.get("training"):
+        summary["training"] = {**summary["training"], "eta_seconds": eta(summary)[0]}
+    return summary
+
+
 class Progress:
     def __init__(self, ledger: Ledger, stats: dict) -> None:
         self.ledger = ledger
@@ -80,7 +105,7 @@ class Progress:
         summary = self.status()
         summary["workunits"] = {s: n for s, n in self.ledger.workunit_counts.items() if n}
         summary["invalid"] = self.ledger.invalid_count
-        return summary
+        return settle_eta(summary)
 
     def status(self) -> dict:
         """A summary of what is in memory, for /metrics and the dashboard."""

@@ -16,6 +16,7 @@ import itertools
 import time
 from typing import TYPE_CHECKING
 
+from coordinator.engine.progress import eta
 from coordinator.work.records import (
     GemmState,
     Outcome,
@@ -116,9 +117,7 @@ def chart(series: list[list[tuple[float, float]]], colors: list[str], label: str
     )
 
 
-def _duration(seconds: float | None) -> str:
-    if seconds is None:
-        return "?"
+def _duration(seconds: float) -> str:
     seconds = int(seconds)
     return (
         f"{seconds // 3600}h{seconds // 60 % 60:02d}m"
@@ -290,11 +289,11 @@ async def render(co: Coordinator, fragment: bool = False) -> str:
     step = training.get("step", 0)
     steps = training.get("steps") or "?"
     loss = f"{training['loss']:.4f}" if "loss" in training else "-"
+    seconds, why_none = eta(status)
     cards = [
         f"<span id='step'>step <b>{step}</b> of {steps}</span>",
         f"<span>loss <b>{loss}</b></span>",
-        f"<span>ETA {'done' if training.get('done') else _duration(training.get('eta_seconds'))}"
-        "</span>",
+        f"<span>ETA {_duration(seconds) if seconds is not None else e(why_none)}</span>",
         f"<span>{status['tiles_per_second']:.1f} tiles/s</span>",
         f"<span>hosts {status['host_states']['active']} active, "
         f"{status['hosts_quarantined']} quarantined</span>",

@@ -120,16 +120,34 @@ def test_a_volunteer_that_stops_is_not_waited_for(tmp_path, reaper):
     assert "'leaver' stopped: not waited for until it asks again" in said
 
 
-def test_status_from_the_files_says_a_pause_once_and_no_eta_without_a_coordinator(tmp_path, reaper):
+def test_status_says_a_pause_once_and_no_eta_while_paused_or_without_a_coordinator(
+    tmp_path, reaper
+):
+    """Once steps are timed there is an ETA; a pause takes it away everywhere an operator
+    looks (the text, --json from the URL and from the files, the dashboard), and a stopped
+    coordinator too."""
     project = tmp_path / "project"
-    projects.create(project, **{**SMALL, "training.steps": 5000, "work.tile": 16})
+    settings = {**SMALL, "training.steps": 5000, "work.tile": 16, "work.policy": "freivalds"}
+    projects.create(project, **settings)
     coordinator = reaper(start_coordinator(project, "127.0.0.1:0", tmp_path / "c.log"))
     url = first_url(coordinator)
+    volunteer = reaper(start_volunteer(url, tmp_path / "v"))
+    poll(
+        lambda: status_of(url)["training"].get("eta_seconds") is not None,
+        what="a timed step, and an ETA from it",
+    )
     assert tilehive("admin", "pause", url, "--project", str(project)).returncode == 0
     poll(lambda: status_of(str(project))["waiting"] is not None, what="the pause as a wait")
     said = tilehive("status", str(project)).stdout
     assert said.count("paused") == 1 and "waiting:" not in said, said
     assert "ETA: none while paused" in said
+    assert "ETA: none while paused" in tilehive("status", url).stdout
+    for target in (url, str(project)):
+        assert status_of(target)["training"]["eta_seconds"] is None, target
+    with urllib.request.urlopen(url + "/", timeout=10) as reply:
+        assert "ETA none while paused" in reply.read().decode()
+    volunteer.send_signal(signal.SIGINT)
+    assert volunteer.wait(60) == 0
     assert tilehive("admin", "resume", url, "--project", str(project)).returncode == 0
     coordinator.send_signal(signal.SIGINT)
     assert coordinator.wait(60) == 130
