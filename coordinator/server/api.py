@@ -132,20 +132,16 @@ async def read_body(request: web.Request, limit: int) -> dict:
                 # growing or joining buffers copies it again on the event loop.
                 body = await read_into(request.content, request.content_length)
             else:
-                body = bytearray()
-                while chunk := await request.content.read(1 << 16):
-                    body += chunk
-                    if len(body) > limit:
-                        raise TooLarge(f"body exceeds the limit of {limit} bytes")
-    except asyncio.IncompleteReadError as exc:
-        raise protocol.BadRequest(
-            f"the body was cut off: {len(exc.partial)} of {exc.expected} bytes"
-        ) from exc
+                body = await read_chunked(request.content, limit)
     except TimeoutError as exc:
         raise RequestTimeout(f"the body did not arrive within {timeout:g} seconds") from exc
     except (ConnectionError, aiohttp.ClientPayloadError, aiohttp.http.HttpProcessingError) as exc:
         # The client hung up or broke the framing mid-body: one log line, nothing applied.
-        raise protocol.BadRequest(f"the body was cut off: {type(exc).__name__}") from exc
+        # The stream keeps this exception, and its traceback the frames that were reading
+        # the body, buffer and all: a cycle only a full collection frees, and the server
+        # runs few (cli/serve.py), so each body cut off would pin its megabytes for long.
+        exc.__traceback__ = None
+        raise protocol.BadRequest(f"the body was cut off: {type(exc).__name__}") from None
     if request.content_type == frames.CONTENT_TYPE:
         return protocol.decode_frame(body, limit)
     return protocol.decode(body, limit)
@@ -153,7 +149,7 @@ async def read_body(request: web.Request, limit: int) -> dict:
 
 async def read_into(stream: aiohttp.StreamReader, size: int) -> memoryview:
     """Exactly `size` bytes of a body, each chunk copied once into one buffer as it arrives
-    (asyncio.IncompleteReadError if the body ends first)."""
+    (BadRequest if the body ends first)."""
     view = frames.body_buffer(size)
     got = 0
     while got < size:
@@ -161,11 +157,21 @@ async def read_into(stream: aiohttp.StreamReader, size: int) -> memoryview:
         if not chunk:
             if end_of_http_chunk:
                 continue
-            raise asyncio.IncompleteReadError(bytes(view[:got]), size)
+            raise protocol.BadRequest(f"the body was cut off: {got} of {size} bytes")
         end = min(size, got + len(chunk))
         view[got:end] = chunk[: end - got]
         got = end
     return view
+
+
+async def read_chunked(stream: aiohttp.StreamReader, limit: int) -> bytearray:
+    """A body of no announced length, refused once it grows past `limit`."""
+    body = bytearray()
+    while chunk := await stream.read(1 << 16):
+        body += chunk
+        if len(body) > limit:
+            raise TooLarge(f"body exceeds the limit of {limit} bytes")
+    return body
 
 
 async def send_in_pieces(
@@ -226,9 +232,15 @@ async def answer_response(
 
 
 def bearer(request: web.Request) -> str | None:
+    """The request's bearer token, if it has one. Tokens are ASCII: a header's other bytes
+    reach us as surrogates, which no token is made of and none can be hashed."""
     header = request.headers.get("Authorization", "")
     scheme, _, token = header.partition(" ")
-    return token.strip() if scheme.lower() == "bearer" else None
+    if scheme.lower() != "bearer":
+        return None
+    if not token.isascii():
+        raise protocol.Unauthorized("the bearer token holds bytes no token has (not ASCII)")
+    return token.strip()
 
 
 async def register(request: web.Request) -> web.Response:

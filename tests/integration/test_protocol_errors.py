@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import gc
+import weakref
 
 import aiohttp
 import msgpack
@@ -10,6 +12,8 @@ import numpy as np
 import pytest
 
 import kernels
+import kernels.frames
+import kernels.malloc
 from tests.factories import bits, operands, running, volunteers
 from tests.volunteers import Behaviour, wait_until
 from volunteer.client import CoordinatorClient, compute_tile
@@ -241,3 +245,62 @@ async def test_a_report_carries_the_next_work_request_and_its_answer(server):
         # The same request id again: the same answer, no new assignment.
         again = await alice.request_work("a2", capacity=2, wait=False)
         assert {a["result_id"] for a in again["assignments"]} == taken
+
+
+async def raw_exchange(url: str, request: bytes, then_close: bool = False) -> bytes:
+    """Bytes straight onto the socket (no client library tidies them), and the status line
+    of the answer; with then_close, hang up after sending instead."""
+    host, port = url.removeprefix("http://").split(":")
+    reader, writer = await asyncio.open_connection(host, int(port))
+    try:
+        writer.write(request)
+        await writer.drain()
+        if then_close:
+            return b""
+        return await reader.readline()
+    finally:
+        writer.close()
+
+
+async def test_a_token_with_bytes_no_token_has_is_refused_not_a_500(server):
+    _, url, _ = server
+    for line in (
+        b"POST /v1/work",
+        b"POST /v1/results",
+        b"POST /v1/admin/pause",
+        b"GET /v1/blobs/" + b"0" * 64,
+    ):
+        request = (
+            line + b" HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer caf\xe9\r\n"
+            b"Content-Type: application/msgpack\r\nContent-Length: 0\r\nConnection: close\r\n\r\n"
+        )
+        status = await raw_exchange(url, request)
+        assert status.startswith(b"HTTP/1.1 401"), (line, status)
+
+
+async def test_a_body_cut_off_leaves_no_buffer_behind(server, monkeypatch):
+    """The stream keeps the error that cut a body off, and the error the frames that read
+    it: a buffer held there would stay until a full collection, which the server runs
+    rarely, so a stranger could pin a report's megabytes per request. Freed at once."""
+    _, url, _ = server
+    buffers = []
+
+    def tracked(size: int) -> memoryview:
+        array = kernels.malloc.empty_bytes(size)
+        buffers.append(weakref.ref(array))
+        return memoryview(array)
+
+    monkeypatch.setattr(kernels.frames, "body_buffer", tracked)
+    async with CoordinatorClient(url) as alice:
+        await alice.register("alice")
+        size = 32 << 20  # large enough that the server is reading it when it is cut off
+        head = (
+            f"POST /v1/results HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {alice.token}\r\n"
+            f"Content-Type: application/msgpack\r\nContent-Length: {size}\r\n\r\n"
+        ).encode()
+        gc.disable()
+        try:
+            await raw_exchange(url, head + bytes(size // 2), then_close=True)
+            await wait_until(lambda: buffers and all(b() is None for b in buffers), timeout=10)
+        finally:
+            gc.enable()
