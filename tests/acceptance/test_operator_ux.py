@@ -49,6 +49,30 @@ def test_init_refuses_a_corpus_path_that_does_not_exist(tmp_path):
     assert not (tmp_path / "q" / "project.toml").exists()
 
 
+def test_init_takes_a_corpus_of_one_file_or_a_few(tmp_path):
+    """Split by file, one file lands whole on one side: too few files are split inside
+    each file instead, so a user's single text file trains."""
+    text = b"".join(b"def f%d(x):\n    return x * %d\n\n" % (i, i) for i in range(4000))
+    one = tmp_path / "one.py"
+    one.write_bytes(text)
+    few = tmp_path / "few"
+    few.mkdir()
+    (few / "a.txt").write_bytes(text[:60_000])
+    (few / "b.txt").write_bytes(text[60_000:])
+    for source in (one, few):
+        project = tmp_path / f"p-{source.name}"
+        made = tilehive("init", str(project), "--corpus", str(source), "--steps", "1")
+        assert made.returncode == 0, made.stderr
+        trained = tilehive("train", str(project), "--local")
+        assert trained.returncode == 0, trained.stderr
+        assert (project / "checkpoints" / "step-000001.npz").exists()
+    tiny = tmp_path / "tiny.txt"
+    tiny.write_bytes(text[:10_000])
+    refused = tilehive("init", str(tmp_path / "t"), "--corpus", str(tiny))
+    assert refused.returncode == 1
+    assert "too small" in refused.stderr and "20480 bytes or more" in refused.stderr
+
+
 # ---- items 1 and 2: why work waits; the end of training --------------------------------
 
 
