@@ -242,7 +242,7 @@ context = {model.context}              # tokens (bytes) per sequence
 [corpus]
 source = "{corpus.source}"  # "python-stdlib": the running Python's own .py files; or a path
 max_mb = {corpus.max_mb}                # read at most this much text
-validation_share = {corpus.validation_share}    # held out for the validation loss: whole files, or each file's end if few
+validation_share = {corpus.validation_share}    # held out to validate: whole files, or files' ends
 
 [training]
 steps = {training.steps}
