@@ -274,6 +274,36 @@ class ProjectView:
         }
 
 
+def status_of(directory: Path) -> dict[str, Any]:
+    """`tilehive status DIR`: the project's summary from its files. A project no coordinator
+    has run has no work and no hosts yet, only the steps `train --local` took (the same
+    train.jsonl), if any."""
+    try:
+        view = ProjectView(directory)
+    except InspectError:
+        if not (directory / PROJECT_FILE).exists():
+            raise
+        return settle_eta(
+            {
+                "workunits": {},
+                "results": {},
+                "hosts": 0,
+                "host_states": {"active": 0, "idle": 0, "quarantined": 0},
+                "hosts_quarantined": 0,
+                "tiles_per_second": 0.0,
+                "invalid": 0,
+                "training": training_progress(directory),
+                "paused": False,
+                "waiting": None,
+                "coordinator": None,
+            }
+        )
+    try:
+        return view.status()
+    finally:
+        view.close()
+
+
 def training_progress(directory: Path) -> dict[str, Any]:
     """Step, loss and ETA from DIR/train.jsonl and project.toml, as the coordinator has them."""
     from coordinator.training.project import ProjectError, load

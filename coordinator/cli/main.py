@@ -326,6 +326,15 @@ def _view(directory: Path):
         raise click.ClickException(str(exc)) from exc
 
 
+def _status_of(directory: Path) -> dict:
+    from coordinator.cli.logs import InspectError, status_of
+
+    try:
+        return status_of(directory)
+    except InspectError as exc:
+        raise click.ClickException(str(exc)) from exc
+
+
 def _since(value: str | None) -> float | None:
     from coordinator.cli.logs import InspectError, parse_since
 
@@ -561,8 +570,7 @@ def status(target: str, as_json: bool) -> None:
         summary = remote.status(target)
         where = target
     else:
-        view = _view(Path(target))
-        summary = view.status()
+        summary = _status_of(Path(target))
         where = target
     if as_json:
         click.echo(json.dumps(summary))

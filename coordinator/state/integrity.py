@@ -11,6 +11,12 @@ from pathlib import Path
 DAMAGE = frozenset({"SQLITE_CORRUPT", "SQLITE_NOTADB"})
 
 
+def database_uri(path: Path, mode: str) -> str:
+    """The SQLite URI that opens `path` in `mode` (ro, rw): the path percent-encoded, so
+    that a folder named with '#', '?' or '%' opens the file it names, not another."""
+    return f"{path.resolve().as_uri()}?mode={mode}"
+
+
 class DamagedState(Exception):
     """The project's state.db cannot be read. Restore it from a backup, or move it away: the
     next coordinator starts a new one and resumes training from the last checkpoint, while the
@@ -68,7 +74,7 @@ def check(path: Path) -> None:
     if path.stat().st_size == 0:
         return
     with reported(path):
-        connection = sqlite3.connect(f"file:{path}?mode=rw", uri=True, timeout=10)
+        connection = sqlite3.connect(database_uri(path, "rw"), uri=True, timeout=10)
         with contextlib.closing(connection) as db:
             verdict = [row[0] for row in db.execute("PRAGMA quick_check")]
             tables = {row[0] for row in db.execute("SELECT name FROM sqlite_master")}

@@ -25,7 +25,7 @@ class ProjectReader:
         self.path = Path(path)
         integrity.check_empty(self.path)
         self._sql = load_queries()
-        self._db = sqlite3.connect(f"file:{self.path}?mode=ro", uri=True, timeout=10)
+        self._db = sqlite3.connect(integrity.database_uri(self.path, "ro"), uri=True, timeout=10)
         self._db.row_factory = sqlite3.Row
 
     def close(self) -> None:

@@ -190,11 +190,14 @@ def test_an_empty_state_db_of_a_project_that_never_trained_is_a_new_project(
     project, tmp_path, reaper
 ):
     (project / "state.db").write_bytes(b"")  # SQLite killed before its first write
-    line = one_line_error(tilehive("status", str(project)))
+    line = one_line_error(tilehive("logs", "tasks", str(project)))
     assert line.endswith(
         f"{project} is a project whose coordinator has not run yet: nothing to show before "
         f"`tilehive coordinator {project}`"
     )
+    said = tilehive("status", str(project))
+    assert said.returncode == 0 and ": step 0 of " in said.stdout, said.stderr
+    assert "coordinator: not running" in said.stdout
     nothing = tmp_path / "nothing"
     nothing.mkdir()
     line = one_line_error(tilehive("status", str(nothing)))

@@ -66,11 +66,28 @@ def test_init_takes_a_corpus_of_one_file_or_a_few(tmp_path):
         trained = tilehive("train", str(project), "--local")
         assert trained.returncode == 0, trained.stderr
         assert (project / "checkpoints" / "step-000001.npz").exists()
+        # status reads the steps --local took: no coordinator has run, nothing else to show
+        said = tilehive("status", str(project)).stdout
+        assert "step 1 of 1, loss" in said and "training finished" in said, said
     tiny = tmp_path / "tiny.txt"
     tiny.write_bytes(text[:10_000])
     refused = tilehive("init", str(tmp_path / "t"), "--corpus", str(tiny))
     assert refused.returncode == 1
     assert "too small" in refused.stderr and "20480 bytes or more" in refused.stderr
+
+
+def test_a_project_in_a_folder_named_with_uri_characters_reads_back(tmp_path, reaper):
+    """The files are opened through SQLite URIs, where '#', '?' and '%' mean something:
+    status and logs read the project the path names, not another."""
+    project = tmp_path / "runs #1?of%41" / "project"
+    projects.create(project, **{**SMALL, "training.steps": 1})
+    coordinator = reaper(start_coordinator(project, "127.0.0.1:0", tmp_path / "c.log"))
+    first_url(coordinator)
+    coordinator.send_signal(signal.SIGINT)
+    assert coordinator.wait(60) == 130
+    for command in (("status", str(project)), ("logs", "tasks", str(project))):
+        said = tilehive(*command)
+        assert said.returncode == 0 and not said.stderr, (command, said.stderr)
 
 
 # ---- items 1 and 2: why work waits; the end of training --------------------------------
