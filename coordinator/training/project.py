@@ -301,12 +301,28 @@ def render(project: Project) -> str:
     )
 
 
+def leftover_state(directory: Path) -> list[str]:
+    """What of a project's state a folder holds without its project.toml: the state
+    database, the steps' history, checkpoints."""
+    found = [name for name in ("state.db", "train.jsonl") if (directory / name).is_file()]
+    checkpoints = directory / "checkpoints"
+    if checkpoints.is_dir() and any(checkpoints.glob("step-*.npz")):
+        found.append("checkpoints/")
+    return found
+
+
 def create(directory: Path | str, **overrides: Any) -> Project:
     """Write a new project.toml with documented defaults (overrides: section.key=value)."""
     directory = Path(directory)
     path = directory / PROJECT_FILE
     if path.exists():
         raise ProjectError(f"{path} exists already; refusing to overwrite a project")
+    traces = leftover_state(directory)
+    if traces:
+        raise ProjectError(
+            f"{directory} holds another project's state ({', '.join(traces)}): a new project "
+            "there would resume from it; choose an empty folder, or move those away"
+        )
     project = Project(directory=directory)
     for dotted, value in overrides.items():
         section, key = dotted.split(".")

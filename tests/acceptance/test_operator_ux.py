@@ -76,6 +76,19 @@ def test_init_takes_a_corpus_of_one_file_or_a_few(tmp_path):
     assert "too small" in refused.stderr and "20480 bytes or more" in refused.stderr
 
 
+def test_init_refuses_a_folder_that_holds_another_projects_state(tmp_path):
+    """Without this, a project made over another's checkpoints resumes from them: a new
+    seed would go on from the old weights, and no longer be anyone's reference run."""
+    project = tmp_path / "p"
+    assert tilehive("init", str(project), "--steps", "1").returncode == 0
+    assert tilehive("train", str(project), "--local").returncode == 0
+    (project / "project.toml").unlink()
+    again = tilehive("init", str(project), "--steps", "6", "--seed", "7")
+    assert again.returncode == 1
+    assert "holds another project's state (train.jsonl, checkpoints/)" in again.stderr
+    assert not (project / "project.toml").exists()
+
+
 def test_a_project_in_a_folder_named_with_uri_characters_reads_back(tmp_path, reaper):
     """The files are opened through SQLite URIs, where '#', '?' and '%' mean something:
     status and logs read the project the path names, not another."""
