@@ -84,6 +84,16 @@ log_format_option = option(
 )
 
 
+def check_name(name: str | None) -> str | None:
+    """A --name the coordinator takes (1 to MAX_NAME printable characters), refused here
+    in one line rather than by every registration after start."""
+    if name is not None and not (1 <= len(name) <= MAX_NAME and name.isprintable()):
+        raise click.ClickException(
+            f"--name {name!r}: a name is 1 to {MAX_NAME} printable characters"
+        )
+    return name
+
+
 def default_name(state_dir: Path) -> str:
     """The host's name and the state directory's: two volunteers on one machine (one state
     directory each) get two names."""
@@ -103,6 +113,7 @@ def volunteer() -> None:
 @option(
     "--name",
     default=None,
+    callback=lambda ctx, param, value: check_name(value),
     help="Shown in the coordinator's logs and dashboard (default: HOSTNAME/STATE-DIR-NAME, "
     "so each volunteer on one machine has its own).",
 )

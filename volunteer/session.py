@@ -146,7 +146,9 @@ class CoordinatorSession:
         return reply
 
     async def _refused(self, endpoint: str, exc: ServerRefused, stop: asyncio.Event) -> None:
-        if exc.status == 403:
+        # A registration found malformed (a name the coordinator does not take) is refused
+        # the same way every time: asking again would never end.
+        if exc.status == 403 or (exc.status == 400 and endpoint == "register"):
             self._quarantined(endpoint, exc)
             raise Quarantined(exc) from exc
         self._failed(endpoint, exc)

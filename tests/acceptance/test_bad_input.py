@@ -149,6 +149,15 @@ def test_a_volunteer_refuses_a_malformed_url_before_anything(tmp_path, url, reas
     assert not state.exists()
 
 
+@pytest.mark.parametrize("name", ["x" * 65, "two\nlines", ""])
+def test_a_volunteer_refuses_a_name_no_coordinator_takes_before_anything(tmp_path, name):
+    state = tmp_path / "vol"
+    command = ("volunteer", "start", "http://127.0.0.1:9", "--name", name, "--state-dir")
+    line = one_line_error(tilehive(*command, str(state)))
+    assert "a name is 1 to 64 printable characters" in line and repr(name) in line
+    assert not state.exists()
+
+
 @pytest.mark.parametrize(("url", "reason"), [u for u in BAD_URLS if "://" in u[0]])
 def test_status_and_admin_refuse_a_malformed_url(url, reason):
     for command in (["status", url], ["admin", "pause", url, "--token", "x"]):

@@ -15,7 +15,7 @@ import kernels
 import kernels.frames
 import kernels.malloc
 from tests.factories import bits, operands, running, volunteers
-from tests.volunteers import Behaviour, wait_until
+from tests.volunteers import Behaviour, ScriptedVolunteer, wait_until
 from volunteer.client import CoordinatorClient, compute_tile
 
 MSGPACK = {"Content-Type": "application/msgpack"}
@@ -304,3 +304,19 @@ async def test_a_body_cut_off_leaves_no_buffer_behind(server, monkeypatch):
             await wait_until(lambda: buffers and all(b() is None for b in buffers), timeout=10)
         finally:
             gc.enable()
+
+
+async def test_a_volunteer_whose_registration_is_malformed_stops_instead_of_asking_forever(
+    server,
+):
+    """The CLI refuses such a --name before start; a coordinator stricter than the
+    volunteer (another version) refuses it at registration, every time, so it ends there."""
+    _, url, _ = server
+    volunteer = ScriptedVolunteer(url, "two\nlines")
+    stop = asyncio.Event()
+    try:
+        await asyncio.wait_for(volunteer.run(stop), timeout=30)
+    finally:
+        stop.set()
+    assert volunteer.refused is not None and volunteer.refused.status == 400
+    assert volunteer.state == "refused" and "printable" in volunteer.note
