@@ -664,13 +664,7 @@ def _admin_call(url: str, path: str, project_dir: Path | None, admin_token: str 
         method="POST",
         headers={"Authorization": f"Bearer {admin_token}", "Content-Type": "application/msgpack"},
     )
-    try:
-        with urllib.request.urlopen(request, timeout=30) as reply:
-            answer = reply.status, reply.headers.get_content_type(), reply.read()
-    except urllib.error.HTTPError as exc:
-        answer = exc.code, exc.headers.get_content_type(), exc.read()
-    except OSError as exc:
-        raise remote.unreachable(url, exc) from None
+    answer = remote.exchange(url, request, timeout=30)
     return remote.admin_reply(url, f"POST {path}", *answer)
 
 

@@ -3,6 +3,7 @@ and a URL where something else answers is named as such."""
 
 from __future__ import annotations
 
+import http.client
 import json
 import ssl
 import urllib.error
@@ -42,26 +43,48 @@ def strange(url: str, request: str, code: int, content_type: str, body: bytes) -
     return not_tilehive(url, request, code, content_type, body)
 
 
+def exchange(url: str, request: str | urllib.request.Request, timeout: float) -> tuple:
+    """(status, content type, body) of one request to the coordinator at `url`, whatever
+    the status; one line if nothing answers, or something that does not speak HTTP."""
+    try:
+        with urllib.request.urlopen(request, timeout=timeout) as reply:
+            return reply.status, reply.headers.get_content_type(), reply.read()
+    except urllib.error.HTTPError as exc:
+        return exc.code, exc.headers.get_content_type(), exc.read()
+    except OSError as exc:
+        raise unreachable(url, exc) from None
+    except http.client.HTTPException as exc:  # an answer, but not in HTTP
+        raise click.ClickException(
+            f"{url} is not a tilehive coordinator: it does not answer in HTTP "
+            f"({type(exc).__name__}: {str(exc)[:60]!r})"
+        ) from None
+
+
 def status(url: str, timeout: float = 10) -> dict[str, Any]:
     """GET URL/v1/status: the coordinator's summary."""
     url = url_of(url)
-    try:
-        with urllib.request.urlopen(url + "/v1/status", timeout=timeout) as reply:
-            code, content_type, body = reply.status, reply.headers.get_content_type(), reply.read()
-    except urllib.error.HTTPError as exc:
-        code, content_type, body = exc.code, exc.headers.get_content_type(), exc.read()
-    except OSError as exc:
-        raise unreachable(url, exc) from None
+    code, content_type, body = exchange(url, url + "/v1/status", timeout)
     try:
         summary = json.loads(body)
     except ValueError:
         summary = None
-    if code != 200 or not isinstance(summary, dict) or "workunits" not in summary:
+    if code != 200 or not is_status(summary):
         raise click.ClickException(
             strange(url, "GET /v1/status", code, content_type, body)
             + ("" if code != 200 or summary is None else ", not a tilehive status")
         )
     return summary
+
+
+def is_status(summary: Any) -> bool:
+    """Whether a JSON document has the shape of a coordinator's status (what `status`
+    prints reads these fields)."""
+    if not isinstance(summary, dict) or not isinstance(summary.get("workunits"), dict):
+        return False
+    shapes = {"training": dict, "host_states": dict, "results": dict, "waiting": dict}
+    return all(
+        summary.get(key) is None or isinstance(summary[key], shape) for key, shape in shapes.items()
+    )
 
 
 def admin_reply(url: str, request: str, code: int, content_type: str, body: bytes) -> dict:

@@ -4,6 +4,7 @@ server answers, TLS on the wrong side, a project path through a file."""
 
 from __future__ import annotations
 
+import contextlib
 import http.server
 import json
 import os
@@ -276,6 +277,8 @@ def test_a_malformed_framed_answer_is_retried_as_a_broken_reply(tmp_path, reaper
         (page(404), "404 text/html ('<!DOCTYPE html>"),
         (page(200, "application/json", b'{"hello": "world"}'), "200 application/json ("),
         (page(200, "text/plain", b"not json"), "200 text/plain ('not json')"),
+        # JSON with a field of a status, in another shape: not printed as one
+        (page(200, "application/json", b'{"workunits": 5}'), "200 application/json ("),
     ],
 )
 def test_status_and_admin_name_another_web_server(answer, said):
@@ -284,6 +287,28 @@ def test_status_and_admin_name_another_web_server(answer, said):
         assert line.startswith(f"Error: {url} {NOT_TILEHIVE}: GET /v1/status answered {said}")
         line = one_line_error(tilehive("admin", "pause", url, "--token", "x"))
         assert line.startswith(f"Error: {url} {NOT_TILEHIVE}: POST /v1/admin/pause answered")
+
+
+def test_status_and_admin_name_a_server_that_does_not_speak_http(tmp_path):
+    """An SSH server (or any banner) at the URL: one line, not http.client's traceback."""
+    listener = socket.create_server(("127.0.0.1", 0))
+    url = f"http://127.0.0.1:{listener.getsockname()[1]}"
+
+    def banner() -> None:
+        with contextlib.suppress(OSError):
+            while True:
+                peer, _ = listener.accept()
+                with peer:
+                    peer.sendall(b"SSH-2.0-OpenSSH_9.6\r\n")
+                    peer.recv(1 << 16)  # as sshd, it waits for the client's first words
+
+    threading.Thread(target=banner, daemon=True).start()
+    try:
+        for command in (("status", url), ("admin", "pause", url, "--token", "x")):
+            line = one_line_error(tilehive(*command))
+            assert f"{url} {NOT_TILEHIVE}: it does not answer in HTTP" in line, line
+    finally:
+        listener.close()
 
 
 def test_status_over_tls_to_a_plain_port_is_one_line(html):
