@@ -61,13 +61,16 @@ state_dir_option = option(
 
 
 threads_option = option(
-    "--threads", type=click.IntRange(min=1), default=default_threads, show_default="cores - 1"
+    "--threads",
+    type=click.IntRange(min=1, max=4096),  # what the coordinator takes (docs/protocol.md)
+    default=default_threads,
+    show_default="cores - 1",
 )
 
 
 max_memory_option = option(
     "--max-memory",
-    type=click.IntRange(min=1),
+    type=click.IntRange(min=1, max=1 << 24),  # 16 TB: what the coordinator takes
     default=200,
     show_default=True,
     help="Peak memory in MB; work that would not fit is refused (a systemd unit's MemoryMax "

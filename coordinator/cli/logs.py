@@ -76,7 +76,7 @@ class ProjectView:
         """A host given by id or by name."""
         if host is None:
             return None
-        if host.isdigit():
+        if host.isascii() and host.isdigit() and len(host) <= 18:  # an id SQLite can hold
             return int(host)
         ids = self.reader.host_ids_named(host)
         if not ids:

@@ -16,7 +16,7 @@ from coordinator.engine.progress import eta
 from coordinator.state.integrity import DamagedState
 from coordinator.state.lock import ProjectBusy, ProjectLock
 from coordinator.training.corpus import CorpusError
-from coordinator.training.project import MODELS, ProjectError
+from coordinator.training.project import MAX_SEED, MAX_STEPS, MODELS, ProjectError
 from coordinator.training.project import create as create_project
 from coordinator.training.project import load as load_project
 from coordinator.work.records import ValidateState, WuState, short_workunit_id
@@ -172,8 +172,13 @@ def _check_corpus(given: str, source: str) -> None:
     show_default=True,
     help='"python-stdlib" or a path to a text file or folder.',
 )
-@option("--seed", type=click.IntRange(min=0), default=None, help="Weights and batch order.")
-@option("--steps", type=click.IntRange(min=1), default=None, help="Optimizer steps.")
+@option(
+    "--seed",
+    type=click.IntRange(min=0, max=MAX_SEED),
+    default=None,
+    help="Weights and batch order.",
+)
+@option("--steps", type=click.IntRange(min=1, max=MAX_STEPS), default=None, help="Optimizer steps.")
 @option("--tile", type=click.IntRange(min=1, max=4096), default=None, help="Tile size.")
 @_fail_on_project_error
 def init(directory: Path, model: str, corpus: str, seed, steps, tile) -> None:
@@ -235,7 +240,7 @@ def coordinator_command(
 @option("--local", is_flag=True, help="Run every product in this process (required).")
 @option(
     "--steps",
-    type=click.IntRange(min=1),
+    type=click.IntRange(min=1, max=MAX_STEPS),
     default=None,
     help="Stop after this step (the schedule still follows the project's steps).",
 )
@@ -283,7 +288,7 @@ def sample(directory: Path, prompt: str, length: int, temperature: float, seed: 
 
 @main.command()
 @option("--volunteers", type=click.IntRange(min=1, max=32), default=3, show_default=True)
-@option("--steps", type=click.IntRange(min=1), default=20, show_default=True)
+@option("--steps", type=click.IntRange(min=1, max=MAX_STEPS), default=20, show_default=True)
 @option(
     "--dir",
     "directory",
@@ -415,7 +420,9 @@ TASK_FAILURES = frozenset({"client_error", "no_reply", "error", "invalid", "canc
 VALIDATION_FAILURES = frozenset({"invalid", "no_quorum"})
 
 log_filters = [
-    option("--step", type=click.IntRange(min=0), default=None, help="Only this step."),
+    option(
+        "--step", type=click.IntRange(min=0, max=MAX_STEPS), default=None, help="Only this step."
+    ),
     option("--host", default=None, help="Only this host (id or name)."),
     option("--since", default=None, help="Only since: 90s, 10m, 2h, 1d or an ISO time."),
     option("--follow", "-f", is_flag=True, help="Keep printing new events as they happen."),
@@ -433,7 +440,7 @@ def with_filters(fn):
 def limit_option(what: str):
     return option(
         "--limit",
-        type=click.IntRange(min=1),
+        type=click.IntRange(min=1, max=1_000_000_000),
         default=200,
         show_default=True,
         help=f"Show the newest this many {what} (the output says when it cut some).",

@@ -122,6 +122,8 @@ SECTIONS = {
 }
 
 # (section, key) -> (check, the allowed values as a user reads them)
+MAX_STEPS = 10_000_000
+MAX_SEED = 2**63 - 1  # numpy's generators take any; SQLite and JSON readers take this much
 RULES: dict[tuple[str, str], tuple[Any, str]] = {
     ("model", "name"): (lambda v: v in MODELS, " or ".join(MODELS)),
     ("model", "layers"): (lambda v: 1 <= v <= 48, "an integer from 1 to 48"),
@@ -131,9 +133,9 @@ RULES: dict[tuple[str, str], tuple[Any, str]] = {
     ("corpus", "source"): (lambda v: bool(v), '"python-stdlib" or a path to text'),
     ("corpus", "max_mb"): (lambda v: 1 <= v <= 4096, "an integer from 1 to 4096"),
     ("corpus", "validation_share"): (lambda v: 0 < v < 0.5, "a number between 0 and 0.5"),
-    ("training", "steps"): (lambda v: 1 <= v <= 10_000_000, "a positive integer"),
+    ("training", "steps"): (lambda v: 1 <= v <= MAX_STEPS, "an integer from 1 to 10,000,000"),
     ("training", "batch_size"): (lambda v: 1 <= v <= 65536, "an integer from 1 to 65536"),
-    ("training", "seed"): (lambda v: 0 <= v < 2**63, "a non-negative integer"),
+    ("training", "seed"): (lambda v: 0 <= v <= MAX_SEED, "an integer from 0 to 2**63 - 1"),
     ("training", "checkpoint_every"): (lambda v: v >= 1, "a positive integer"),
     ("training", "eval_every"): (lambda v: v >= 1, "a positive integer"),
     ("training", "micro_batches"): (lambda v: 1 <= v <= 64, "an integer from 1 to 64"),

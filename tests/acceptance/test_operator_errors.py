@@ -206,3 +206,26 @@ def test_an_empty_state_db_of_a_project_that_never_trained_is_a_new_project(
     first_url(coordinator)
     coordinator.send_signal(signal.SIGINT)
     assert coordinator.wait(60) == 130
+
+
+def test_numbers_beyond_what_a_field_holds_are_one_line_not_an_overflow(project, tmp_path, reaper):
+    coordinator = reaper(start_coordinator(project, "127.0.0.1:0", tmp_path / "c.log"))
+    first_url(coordinator)
+    coordinator.send_signal(signal.SIGINT)
+    assert coordinator.wait(60) == 130
+    huge = "99999999999999999999"
+    for command, words in [
+        (("logs", "tasks", str(project), "--step", huge), "is not in the range"),
+        (("logs", "tasks", str(project), "--limit", huge), "is not in the range"),
+        (("logs", "validation", str(project), "--step", huge), "is not in the range"),
+        (("init", str(tmp_path / "new"), "--steps", "10000001"), "is not in the range"),
+        (("init", str(tmp_path / "new"), "--seed", str(2**63)), "is not in the range"),
+        (("volunteer", "start", "http://127.0.0.1:9", "--max-memory", huge), "not in the range"),
+        (("volunteer", "start", "http://127.0.0.1:9", "--threads", huge), "not in the range"),
+    ]:
+        said = tilehive(*command)
+        assert said.returncode == 2 and "Traceback" not in said.stderr, (command, said.stderr)
+        assert words in said.stderr.splitlines()[-1], (command, said.stderr)
+    # a host id beyond any is no host, by name or id
+    said = tilehive("logs", "tasks", str(project), "--host", huge)
+    assert "Traceback" not in said.stderr and f"no host named '{huge}'" in said.stderr
