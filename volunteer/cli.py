@@ -169,7 +169,15 @@ def start(
         invite=invite,
         name=name or default_name(state_dir),
     )
-    state = StateDir(state_dir)
+    try:
+        state = StateDir(state_dir)
+        # The log opened as the daemon will open it: a folder that takes no files is said
+        # here, in one line, not in a log that cannot be written.
+        os.close(os.open(state.log_file, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600))
+    except OSError as exc:
+        raise click.ClickException(
+            f"cannot use the state directory {state_dir}: {exc.strerror or exc}"
+        ) from None
     pid = state.running_pid()
     if pid is not None:
         raise click.ClickException(

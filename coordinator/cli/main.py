@@ -116,8 +116,8 @@ def selftest(threads: int, size: int) -> None:
 
 
 def _fail_on_project_error(fn):
-    """Bad settings, missing, busy or damaged projects become a clear message, never a
-    traceback."""
+    """Bad settings, missing, busy, damaged or unwritable projects become a clear message,
+    never a traceback."""
     import functools
 
     @functools.wraps(fn)
@@ -126,6 +126,10 @@ def _fail_on_project_error(fn):
             return fn(*args, **kwargs)
         except (ProjectError, CorpusError, ProjectBusy, DamagedState) as exc:
             raise click.ClickException(str(exc)) from exc
+        except OSError as exc:  # a folder this user may not write, a full disk, ...
+            if exc.filename is None:
+                raise
+            raise click.ClickException(f"cannot use {exc.filename}: {exc.strerror}") from exc
 
     return wrapper
 

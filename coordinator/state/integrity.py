@@ -11,10 +11,11 @@ from pathlib import Path
 DAMAGE = frozenset({"SQLITE_CORRUPT", "SQLITE_NOTADB"})
 
 
-def database_uri(path: Path, mode: str) -> str:
-    """The SQLite URI that opens `path` in `mode` (ro, rw): the path percent-encoded, so
-    that a folder named with '#', '?' or '%' opens the file it names, not another."""
-    return f"{path.resolve().as_uri()}?mode={mode}"
+def database_uri(path: Path, mode: str, immutable: bool = False) -> str:
+    """The SQLite URI that opens `path` in `mode` (ro, rw), read as a file nobody changes
+    if `immutable`: the path percent-encoded, so that a folder named with '#', '?' or '%'
+    opens the file it names, not another."""
+    return f"{path.resolve().as_uri()}?mode={mode}" + ("&immutable=1" if immutable else "")
 
 
 class DamagedState(Exception):

@@ -25,8 +25,23 @@ class ProjectReader:
         self.path = Path(path)
         integrity.check_empty(self.path)
         self._sql = load_queries()
-        self._db = sqlite3.connect(integrity.database_uri(self.path, "ro"), uri=True, timeout=10)
+        self._db = self._open()
         self._db.row_factory = sqlite3.Row
+
+    def _open(self) -> sqlite3.Connection:
+        db = sqlite3.connect(integrity.database_uri(self.path, "ro"), uri=True, timeout=10)
+        try:
+            db.execute("SELECT count(*) FROM sqlite_master").fetchone()
+            return db
+        except sqlite3.OperationalError:
+            db.close()
+            if Path(f"{self.path}-wal").exists():
+                raise
+        # A folder this user cannot write (another's project, read-only media): SQLite
+        # cannot make the shared-memory file a reader of a WAL database needs. With no WAL
+        # file no writer has the database open, so it is read as the file it is.
+        uri = integrity.database_uri(self.path, "ro", immutable=True)
+        return sqlite3.connect(uri, uri=True, timeout=10)
 
     def close(self) -> None:
         self._db.close()

@@ -150,6 +150,15 @@ def test_a_volunteer_refuses_a_malformed_url_before_anything(tmp_path, url, reas
     assert not state.exists()
 
 
+def test_a_volunteer_refuses_a_state_directory_that_takes_no_files(tmp_path):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    for daemon in ((), ("--daemon",)):
+        command = ("volunteer", "start", "http://127.0.0.1:9", "--state-dir")
+        line = one_line_error(tilehive(*command, str(blocker / "vol"), *daemon))
+        assert f"cannot use the state directory {blocker / 'vol'}: Not a directory" in line
+
+
 @pytest.mark.parametrize("name", ["x" * 65, "two\nlines", ""])
 def test_a_volunteer_refuses_a_name_no_coordinator_takes_before_anything(tmp_path, name):
     state = tmp_path / "vol"

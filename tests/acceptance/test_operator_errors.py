@@ -229,3 +229,40 @@ def test_numbers_beyond_what_a_field_holds_are_one_line_not_an_overflow(project,
     # a host id beyond any is no host, by name or id
     said = tilehive("logs", "tasks", str(project), "--host", huge)
     assert "Traceback" not in said.stderr and f"no host named '{huge}'" in said.stderr
+
+
+def test_a_project_folder_that_takes_no_files_is_one_line(project):
+    (project / "project.lock").mkdir()  # refused as a folder this user may not write is
+    for command in (
+        ("train", str(project), "--local"),
+        ("coordinator", str(project), "--bind", "127.0.0.1:0"),
+    ):
+        line = one_line_error(tilehive(*command))
+        assert f"cannot use {project / 'project.lock'}: Is a directory" in line, line
+
+
+def test_status_and_logs_read_a_project_in_a_folder_they_cannot_write(project, tmp_path, reaper):
+    """Another user's project, or one on read-only media: SQLite cannot make the file a
+    reader of a WAL database needs beside it, and no coordinator runs there."""
+    coordinator = reaper(start_coordinator(project, "127.0.0.1:0", tmp_path / "c.log"))
+    first_url(coordinator)
+    coordinator.send_signal(signal.SIGINT)
+    assert coordinator.wait(60) == 130
+    locked = lock_folder(project)
+    try:
+        for command in (("status", str(project)), ("logs", "tasks", str(project))):
+            said = tilehive(*command)
+            assert said.returncode == 0 and not said.stderr, (command, said.stderr)
+    finally:
+        locked()
+
+
+def lock_folder(folder: Path):
+    """Make `folder` take no new files, as for a user other than its owner; returns the
+    undo. Root passes permission bits, so root makes it immutable (skips if it cannot)."""
+    if os.geteuid() != 0:
+        folder.chmod(0o555)
+        return lambda: folder.chmod(0o755)
+    if subprocess.run(["chattr", "+i", str(folder)], capture_output=True).returncode != 0:
+        pytest.skip("cannot make a folder read-only here (root, and no chattr)")
+    return lambda: subprocess.run(["chattr", "-i", str(folder)], check=True)
