@@ -73,13 +73,13 @@ def committed(directory: Path, query: str) -> list[tuple]:
 
 
 def tilehive(
-    *args: str, timeout: float = 60, env: dict[str, str] | None = None
+    *args: str, timeout: float = 60, env: dict[str, str] | None = None, cwd: Path = ROOT
 ) -> subprocess.CompletedProcess:
     return subprocess.run(
         [sys.executable, "-m", "coordinator.cli", *args],
         capture_output=True,
         text=True,
-        cwd=ROOT,
+        cwd=cwd,
         env={**ENV, **(env or {})},
         timeout=timeout,
     )

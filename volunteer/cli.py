@@ -51,9 +51,22 @@ def option(*names: str, **kwargs: Any):
     return click.option(*names, **kwargs)
 
 
+class Folder(click.Path):
+    """A folder's path, never empty text: "" would mean the working directory, which nobody
+    means by a blank argument or an empty TILEHIVE_STATE_DIR."""
+
+    def __init__(self) -> None:
+        super().__init__(file_okay=False, path_type=Path)
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None):
+        if isinstance(value, str) and not value.strip():
+            self.fail("an empty path (give '.' for the working directory)", param, ctx)
+        return super().convert(value, param, ctx)
+
+
 state_dir_option = option(
     "--state-dir",
-    type=click.Path(file_okay=False, path_type=Path),
+    type=Folder(),
     default=default_state_dir,
     show_default="$XDG_STATE_HOME/tilehive/volunteer",
     help="Where the token, pid file, log and status live; one per volunteer.",

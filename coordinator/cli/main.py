@@ -22,7 +22,7 @@ from coordinator.training.project import load as load_project
 from coordinator.work.records import ValidateState, WuState, short_workunit_id
 from kernels import reference
 from kernels.malloc import keep_freed_memory
-from volunteer.cli import emulate, log_format_option, option, volunteer
+from volunteer.cli import Folder, emulate, log_format_option, option, volunteer
 from volunteer.logsetup import configure as configure_logging
 
 
@@ -168,7 +168,7 @@ def _check_corpus(given: str, source: str) -> None:
 
 
 @main.command()
-@click.argument("directory", type=click.Path(file_okay=False, path_type=Path))
+@click.argument("directory", type=Folder())
 @option("--model", type=click.Choice(MODELS), default="tiny-gpt", show_default=True)
 @option(
     "--corpus",
@@ -191,6 +191,10 @@ def init(directory: Path, model: str, corpus: str, seed, steps, tile) -> None:
     for key, value in (("training.seed", seed), ("training.steps", steps), ("work.tile", tile)):
         if value is not None:
             overrides[key] = value
+    if not corpus.strip():
+        raise click.BadParameter(
+            "an empty path (give python-stdlib or a path)", param_hint="--corpus"
+        )
     if corpus != "python-stdlib":
         overrides["corpus.source"] = str(Path(corpus).expanduser().resolve())
         _check_corpus(corpus, overrides["corpus.source"])
@@ -203,7 +207,7 @@ def init(directory: Path, model: str, corpus: str, seed, steps, tile) -> None:
 
 
 @main.command("coordinator")
-@click.argument("directory", type=click.Path(file_okay=False, path_type=Path))
+@click.argument("directory", type=Folder())
 @option("--bind", default="0.0.0.0:8470", show_default=True, help="HOST:PORT to listen on.")
 @option("--keep-serving", is_flag=True, help="Keep the API up after the last step.")
 @option(
@@ -240,7 +244,7 @@ def coordinator_command(
 
 
 @main.command()
-@click.argument("directory", type=click.Path(file_okay=False, path_type=Path))
+@click.argument("directory", type=Folder())
 @option("--local", is_flag=True, help="Run every product in this process (required).")
 @option(
     "--steps",
@@ -277,7 +281,7 @@ def train(directory: Path, local: bool, steps: int | None, threads: int) -> None
 
 
 @main.command()
-@click.argument("directory", type=click.Path(file_okay=False, path_type=Path))
+@click.argument("directory", type=Folder())
 @option("--prompt", default="def ", show_default=True)
 @option("--length", type=click.IntRange(min=1, max=100_000), default=200, show_default=True)
 @option("--temperature", type=click.FloatRange(min=0), default=0.8, show_default=True)
@@ -296,7 +300,7 @@ def sample(directory: Path, prompt: str, length: int, temperature: float, seed: 
 @option(
     "--dir",
     "directory",
-    type=click.Path(file_okay=False, path_type=Path),
+    type=Folder(),
     default=None,
     help="Project directory (default: a temporary one, removed afterwards).",
 )
@@ -452,7 +456,7 @@ def limit_option(what: str):
 
 
 @logs.command("tasks")
-@click.argument("directory", type=click.Path(file_okay=False, path_type=Path))
+@click.argument("directory", type=Folder())
 @with_filters
 @option(
     "--state", type=click.Choice(WU_STATES), default=None, help="Only work units in this state."
@@ -515,7 +519,7 @@ def logs_tasks(
 
 
 @logs.command("validation")
-@click.argument("directory", type=click.Path(file_okay=False, path_type=Path))
+@click.argument("directory", type=Folder())
 @with_filters
 @option(
     "--state",
@@ -577,6 +581,8 @@ def status(target: str, as_json: bool) -> None:
     """How far training is: from a project directory, or a running coordinator's URL."""
     import json
 
+    if not target.strip():
+        raise click.BadParameter("an empty DIR|URL", param_hint="TARGET")
     if "://" in target:
         summary = remote.status(target)
         where = target
@@ -641,7 +647,7 @@ admin_options = [
     option(
         "--project",
         "project_dir",
-        type=click.Path(file_okay=False, path_type=Path),
+        type=Folder(),
         default=None,
         help="Project directory holding admin.token.",
     ),

@@ -150,6 +150,22 @@ def test_a_volunteer_refuses_a_malformed_url_before_anything(tmp_path, url, reas
     assert not state.exists()
 
 
+@pytest.mark.parametrize(
+    "command",
+    [
+        ("init", ""),
+        ("init", "{tmp}/p", "--corpus", ""),
+        ("volunteer", "start", "http://127.0.0.1:9", "--state-dir", ""),
+        ("status", ""),
+        ("logs", "tasks", " "),
+    ],
+)
+def test_an_empty_path_is_refused_not_taken_for_the_working_directory(tmp_path, command):
+    said = tilehive(*(part.format(tmp=tmp_path) for part in command), cwd=tmp_path)
+    assert said.returncode == 2 and "an empty" in said.stderr, said.stderr
+    assert list(tmp_path.iterdir()) == []  # nothing written where the command ran
+
+
 def test_a_volunteer_refuses_a_state_directory_that_takes_no_files(tmp_path):
     blocker = tmp_path / "a-file"
     blocker.write_text("")
