@@ -15,6 +15,7 @@ from coordinator.cli import remote
 from coordinator.engine.progress import eta
 from coordinator.state.integrity import DamagedState
 from coordinator.state.lock import ProjectBusy, ProjectLock
+from coordinator.training import checkpoints
 from coordinator.training.corpus import CorpusError
 from coordinator.training.project import MAX_SEED, MAX_STEPS, MODELS, ProjectError
 from coordinator.training.project import create as create_project
@@ -276,8 +277,32 @@ def train(directory: Path, local: bool, steps: int | None, threads: int) -> None
     # It writes the project's checkpoints: never beside a coordinator, or another local run.
     with ProjectLock(project.directory) as lock:
         lock.acquire("train --local")
-        asyncio.run(trainer.run(until=steps, on_step=show))
+        done = checkpoints.latest(project.checkpoints) or 0
+        click.echo(local_plan(done, steps, project.training.steps))
+        try:
+            asyncio.run(trainer.run(until=steps, on_step=show))
+        except KeyboardInterrupt:
+            click.echo(
+                "stopped; run the same command again to resume from the last checkpoint "
+                f"(step {checkpoints.latest(project.checkpoints) or 0})",
+                err=True,
+            )
+            sys.exit(130)
     click.echo(f"checkpoints: {project.checkpoints}")
+
+
+def local_plan(done: int, until: int | None, steps: int) -> str:
+    """What `train --local` is about to do, from the last checkpoint's step `done`, its
+    --steps `until` and the project's `steps`: one line, so that a run that does nothing,
+    or less than asked, says so."""
+    target = min(until or steps, steps)
+    beyond = (
+        f" (--steps {until} is beyond the project's {steps})" if until and until > steps else ""
+    )
+    if done >= target:
+        return f"nothing to do: step {done} of {steps} is done already{beyond}"
+    start = f"resuming after step {done}" if done else "starting at step 1"
+    return f"{start}, training to step {target} of {steps}{beyond}"
 
 
 @main.command()

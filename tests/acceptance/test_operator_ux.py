@@ -76,6 +76,29 @@ def test_init_takes_a_corpus_of_one_file_or_a_few(tmp_path):
     assert "too small" in refused.stderr and "20480 bytes or more" in refused.stderr
 
 
+def test_train_local_says_what_it_will_do_and_how_to_go_on_after_ctrl_c(tmp_path):
+    project = tmp_path / "p"
+    projects.create(project, **{**SMALL, "training.steps": 4, "training.checkpoint_every": 2})
+    said = tilehive("train", str(project), "--local", "--steps", "2").stdout
+    assert said.startswith("starting at step 1, training to step 2 of 4\n"), said
+    said = tilehive("train", str(project), "--local", "--steps", "1").stdout
+    assert said.startswith("nothing to do: step 2 of 4 is done already\n"), said
+    said = tilehive("train", str(project), "--local", "--steps", "9").stdout
+    assert said.startswith(
+        "resuming after step 2, training to step 4 of 4 (--steps 9 is beyond the project's 4)"
+    ), said
+    long = tmp_path / "long"
+    projects.create(long, **{**SMALL, "training.steps": 100_000, "training.checkpoint_every": 1})
+    with following("train", str(long), "--local") as run:
+        assert run.stdout.readline().startswith("starting at step 1")
+        assert run.stdout.readline().startswith("step 1/100000")
+        run.send_signal(signal.SIGINT)
+        assert run.wait(60) == 130
+        said = run.stderr.read()
+    assert "stopped; run the same command again to resume from the last checkpoint" in said
+    assert "Traceback" not in said and "Aborted" not in said
+
+
 def test_init_refuses_a_folder_that_holds_another_projects_state(tmp_path):
     """Without this, a project made over another's checkpoints resumes from them: a new
     seed would go on from the old weights, and no longer be anyone's reference run."""
