@@ -23,7 +23,7 @@ from coordinator.engine.coordinator import Coordinator
 from coordinator.engine.products import GemmFailed
 from coordinator.rules.access import AccessConfig
 from coordinator.rules.scheduler import SchedulerConfig
-from coordinator.server.api import serve
+from coordinator.server.api import check_bind, serve
 from coordinator.state import integrity
 from coordinator.state.lock import ProjectLock
 from coordinator.state.sqlite import SqliteStore
@@ -138,6 +138,9 @@ async def host_project(
     ProjectBusy (another process runs the project), DamagedState (state.db cannot be read)
     or CannotListen (the bind failed), each with a message for the operator."""
     tune_interpreter()
+    # Before the lock, the database, the secret and the blobs' folder: a bad address
+    # changes nothing in the project (serve checks again, at the moment it binds).
+    await check_bind(bind_host, port)
     interrupts = Interrupts()
     try:
         with ProjectLock(project.directory) as lock:

@@ -115,10 +115,11 @@ def busy_port():
     ],
 )
 def test_a_bind_failure_is_one_line_and_touches_nothing(project, busy_port, bind, reason):
+    before = sorted(path.name for path in project.iterdir())
     result = tilehive("coordinator", str(project), "--bind", bind.format(busy=busy_port))
     line = one_line_error(result)
     assert line.startswith("Error: ") and reason in line
-    assert not (project / "state.db").exists()
+    assert sorted(path.name for path in project.iterdir()) == before  # no state, no secret
 
 
 def test_an_ipv6_bind_announces_a_url_that_works(project, tmp_path, reaper):
