@@ -127,8 +127,11 @@ def volunteers_needed(project: projects.Project) -> int:
     return project.redundancy.for_policy(project.policy).min_quorum
 
 
+DEFAULT_STEPS = 20
+
+
 def run_demo(
-    volunteers: int, steps: int, directory: Path | None, keep: bool, wait: bool = True
+    volunteers: int, steps: int | None, directory: Path | None, keep: bool, wait: bool = True
 ) -> None:
     # Ctrl-C, `kill` and a closed terminal each stop the demo and everything it started.
     # Its children run in sessions of their own (_spawn), so nothing else stops them, and
@@ -154,8 +157,12 @@ def run_demo(
     stopped: Stopped | None = None
     try:
         if not (directory / projects.PROJECT_FILE).exists():
-            projects.create(
-                directory, **{"training.steps": steps, "training.checkpoint_every": steps}
+            new = steps or DEFAULT_STEPS
+            projects.create(directory, **{"training.steps": new, "training.checkpoint_every": new})
+        elif steps is not None and steps != settings.training.steps:
+            click.echo(
+                f"--steps {steps} is for a new project: {directory} keeps its own "
+                f"{settings.training.steps} (training.steps in its project.toml)"
             )
         project = projects.load(directory)
         logs.mkdir(exist_ok=True)

@@ -321,7 +321,12 @@ def sample(directory: Path, prompt: str, length: int, temperature: float, seed: 
 
 @main.command()
 @option("--volunteers", type=click.IntRange(min=1, max=32), default=3, show_default=True)
-@option("--steps", type=click.IntRange(min=1, max=MAX_STEPS), default=20, show_default=True)
+@option(
+    "--steps",
+    type=click.IntRange(min=1, max=MAX_STEPS),
+    default=None,
+    help="Steps of a new project (default 20); a --dir project keeps its own.",
+)
 @option(
     "--dir",
     "directory",
@@ -336,7 +341,9 @@ def sample(directory: Path, prompt: str, length: int, temperature: float, seed: 
     help="Stop as soon as training is done (default: keep the dashboard up until Enter).",
 )
 @_fail_on_project_error
-def demo(volunteers: int, steps: int, directory: Path | None, keep: bool, no_wait: bool) -> None:
+def demo(
+    volunteers: int, steps: int | None, directory: Path | None, keep: bool, no_wait: bool
+) -> None:
     """Train a small model with a coordinator and volunteers on this machine.
 
     Prints the dashboard's URL; once training is done, keeps it up until you press Enter

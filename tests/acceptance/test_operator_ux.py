@@ -372,11 +372,22 @@ def test_the_demo_with_no_wait_stops_when_training_is_done(tmp_path):
     directory = tmp_path / "demo"
     projects.create(directory, **{**SMALL, "training.steps": 2, "work.tile": 16})
     result = tilehive(
-        "demo", "--volunteers", "2", "--dir", str(directory), "--no-wait", timeout=300
+        "demo",
+        "--volunteers",
+        "2",
+        "--dir",
+        str(directory),
+        "--no-wait",
+        "--steps",
+        "5",
+        timeout=300,
     )
     assert result.returncode == 0, result.stderr
     assert "dashboard: http://127.0.0.1:" in result.stdout
     assert "press Enter" not in result.stdout
+    # --steps is a new project's: this one keeps its 2, and the demo says so
+    assert f"--steps 5 is for a new project: {directory} keeps its own 2" in result.stdout
+    assert (directory / "checkpoints" / "step-000002.npz").exists()
 
 
 def started_by(directory: Path) -> list[int]:
