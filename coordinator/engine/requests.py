@@ -320,8 +320,10 @@ class WorkRequests:
         return inline
 
     def _finished(self, host: Host, request: WorkRequest) -> Answer:
-        """The answer once training is done: no work, ever; drop what you hold."""
+        """The answer once training is done: no work, ever; drop what you hold. The host
+        stops on it, so status counts it idle from now on, as one that said it stops."""
         self.told.add(host.id)
+        self.ledger.put_host(self.ledger.hosts[host.id].evolve(gone=True))
         return Answer(
             encode(
                 {

@@ -168,6 +168,7 @@ def test_one_volunteer_is_told_why_work_waits_and_a_finished_project_tells_them(
     assert "told 2 volunteer(s) that the project is finished" in text
     done = tilehive("status", str(project)).stdout
     assert "step 2 of 2" in done and "training finished" in done and "ETA: done" in done
+    assert "hosts: 0 active, 2 idle" in done  # told the project is finished, they stopped
 
 
 def test_a_volunteer_that_stops_is_not_waited_for(tmp_path, reaper):
