@@ -12,6 +12,7 @@ import time
 from collections import defaultdict
 from datetime import datetime
 from pathlib import Path
+from shlex import quote
 from typing import Any
 
 from coordinator.engine.progress import host_state, settle_eta
@@ -62,7 +63,7 @@ class ProjectView:
             if (self.directory / PROJECT_FILE).exists():
                 raise InspectError(
                     f"{self.directory} is a project whose coordinator has not run yet: "
-                    f"nothing to show before `tilehive coordinator {self.directory}`"
+                    f"nothing to show before `tilehive coordinator {quote(str(self.directory))}`"
                 )
             raise InspectError(
                 f"{self.directory} is not a project (no {PROJECT_FILE}, no state.db)"

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import shlex
 import sys
 import time
 from pathlib import Path
@@ -204,7 +205,8 @@ def init(directory: Path, model: str, corpus: str, seed, steps, tile) -> None:
         f"created {directory / 'project.toml'}: {created.model.name}, "
         f"{created.training.steps} steps, tiles of {created.work.tile}"
     )
-    click.echo(f"next: tilehive coordinator {directory}   (or: tilehive train {directory} --local)")
+    where = shlex.quote(str(directory))  # to copy and paste, spaces and all
+    click.echo(f"next: tilehive coordinator {where}   (or: tilehive train {where} --local)")
 
 
 @main.command("coordinator")

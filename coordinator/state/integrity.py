@@ -6,6 +6,7 @@ import contextlib
 import sqlite3
 from collections.abc import Iterator
 from pathlib import Path
+from shlex import quote
 
 # SQLite's names for a file that is not a database, or one whose pages do not add up.
 DAMAGE = frozenset({"SQLITE_CORRUPT", "SQLITE_NOTADB"})
@@ -26,7 +27,8 @@ class DamagedState(Exception):
     def __init__(self, path: Path, what: str) -> None:
         super().__init__(
             f"{path} is damaged ({what}): restore it from a backup, or move it away "
-            f"(mv {path} {path}.damaged) to go on from the last checkpoint with a new one "
+            f"(mv {quote(str(path))} {quote(str(path) + '.damaged')}) to go on from the last "
+            "checkpoint with a new one "
             "(task history and host trust start over)"
         )
         self.path = path

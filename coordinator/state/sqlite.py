@@ -137,10 +137,12 @@ class SqliteStore(QueryStore):
 
     async def _migrate(self) -> None:
         (version,) = await self._run(lambda db: db.execute("PRAGMA user_version").fetchone())
-        for number, script in migrations():
-            if number <= version:
-                continue
-            log.info("applying schema migration %04d", number, extra={"db": str(self.path)})
+        due = [(number, script) for number, script in migrations() if number > version]
+        if due and version == 0:  # one line for a new database, not one per migration
+            log.info("new state database, schema %d", due[-1][0], extra={"db": str(self.path)})
+        for number, script in due:
+            if version:
+                log.info("upgrading the state database to schema %d", number)
             sql = f"BEGIN;\n{script}\nPRAGMA user_version = {number};\nCOMMIT;"
             await self._run(lambda db, sql=sql: db.executescript(sql))
 
