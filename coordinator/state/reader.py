@@ -31,12 +31,16 @@ class ProjectReader:
     def _open(self) -> sqlite3.Connection:
         db = sqlite3.connect(integrity.database_uri(self.path, "ro"), uri=True, timeout=10)
         try:
-            db.execute("SELECT count(*) FROM sqlite_master").fetchone()
+            with integrity.reported(self.path):
+                db.execute("SELECT count(*) FROM sqlite_master").fetchone()
             return db
         except sqlite3.OperationalError:
             db.close()
             if Path(f"{self.path}-wal").exists():
                 raise
+        except BaseException:
+            db.close()
+            raise
         # A folder this user cannot write (another's project, read-only media): SQLite
         # cannot make the shared-memory file a reader of a WAL database needs. With no WAL
         # file no writer has the database open, so it is read as the file it is.
