@@ -298,7 +298,7 @@ async def blob(request: web.Request) -> web.StreamResponse:
     co.access.check_rate(host.id, time.monotonic())
     blob_id = request.match_info["blob_id"]
     if not is_blob_id(blob_id):
-        raise protocol.BadRequest(f"malformed blob id {blob_id!r:.80}")
+        raise protocol.BadRequest(f"malformed blob id {blob_id[:80]}")  # escaped when logged
     data = co.blobs.in_memory(blob_id)
     if data is not None and len(data) >= PIECE_BYTES:
         return await send_in_pieces(request, [data], "application/octet-stream")
@@ -352,10 +352,11 @@ async def admin_host(request: web.Request) -> web.Response:
 async def admin_cancel_step(request: web.Request) -> web.Response:
     co = request.app[COORDINATOR]
     co.access.check_admin(bearer(request))
-    try:
-        step = int(request.match_info["step"])
-    except ValueError as exc:
-        raise protocol.BadRequest("step must be an integer") from exc
+    given = request.match_info["step"]
+    # ASCII digits only: int() also reads other scripts' digits ('１' cancelled step 1).
+    if not (given.isascii() and given.isdigit()) or len(given) > 18:
+        raise protocol.BadRequest("step must be a non-negative integer")
+    step = int(given)
     counts = await co.operator.cancel_step(step, time.time())
     return msgpack_response({"step": step, **counts})
 

@@ -202,6 +202,14 @@ def _number(message: dict, key: str, low: float, high: float, default: Any = ...
     return value
 
 
+def _integer(message: dict, key: str, low: int, high: int, default: Any = ...) -> int:
+    """An integer field: 1.5 threads is no count to round, but a malformed request."""
+    value = _get(message, key, int, default)
+    if not low <= value <= high:
+        raise BadRequest(f"field {key!r} must be between {low} and {high}, got {value}")
+    return value
+
+
 _HEX = re.compile(r"[0-9a-f]*")
 
 
@@ -218,6 +226,8 @@ def _ids(message: dict, key: str, limit: int, check: Any, length: int) -> tuple[
     ):
         return tuple(values)
     bad = next(value for value in values if not check(value))
+    if not isinstance(bad, str):  # say its type: the repr of some (memoryview) is an address
+        raise BadRequest(f"field {key!r} holds an id of type {type(bad).__name__}, not str")
     raise BadRequest(f"field {key!r} holds a malformed id: {bad!r:.80}")
 
 
@@ -246,8 +256,8 @@ def parse_register(message: dict[str, Any]) -> RegisterRequest:
     return RegisterRequest(
         name=name,
         gflops=float(_number(message, "gflops", 0.0, 1e6, 1.0)),
-        threads=int(_number(message, "threads", 1, 4096, 1)),
-        max_memory_mb=int(_number(message, "max_memory_mb", 0, 1 << 24, 0)),
+        threads=_integer(message, "threads", 1, 4096, 1),
+        max_memory_mb=_integer(message, "max_memory_mb", 0, 1 << 24, 0),
         invite=_get(message, "invite", str, None),
     )
 

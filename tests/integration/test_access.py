@@ -71,6 +71,8 @@ async def test_cancelling_a_step_aborts_its_work_and_a_restart_runs_it_again(tmp
             held = (await client.request_work("r1", capacity=1))["assignments"]
             assert (await admin(client, "/v1/admin/steps/3/cancel", client.token))[0] == 401
             assert (await admin(client, "/v1/admin/steps/x/cancel", token))[0] == 400
+            # a digit of another script is no step number (int() would read it as 3)
+            assert (await admin(client, "/v1/admin/steps/%EF%BC%93/cancel", token))[0] == 400
             assert (await admin(client, "/v1/admin/steps/4/cancel", token))[0] == 404
             status, counts = await admin(client, "/v1/admin/steps/3/cancel", token)
             assert status == 200

@@ -52,6 +52,8 @@ async def test_malformed_and_forged_requests_get_clear_4xx(server):
             ("/v1/hosts", pack([1, 2, 3]), {}, 400, "must be a msgpack map"),
             ("/v1/hosts", pack({"name": 7}), {}, 400, "'name' must be str"),
             ("/v1/hosts", pack({"name": "x" * 500}), {}, 400, "1 to 64"),
+            ("/v1/hosts", pack({"name": "a", "threads": 1.5}), {}, 400, "'threads' must be int"),
+            ("/v1/hosts", pack({"name": "a", "max_memory_mb": 2.5}), {}, 400, "must be int"),
             ("/v1/work", pack({"request_id": "r", "capacity": 1}), {}, 401, "Authorization"),
             (
                 "/v1/work",
@@ -62,6 +64,13 @@ async def test_malformed_and_forged_requests_get_clear_4xx(server):
             ),
             ("/v1/work", pack({"request_id": "r", "capacity": "many"}), auth, 400, "capacity"),
             ("/v1/work", pack({"request_id": "r", "capacity": True}), auth, 400, "got bool"),
+            (
+                "/v1/work",
+                pack({"request_id": "r", "capacity": 1, "cached": [b"\0" * 64]}),
+                auth,
+                400,
+                "an id of type bytes, not str",
+            ),
             ("/v1/work", pack({"request_id": "r", "capacity": 10**6}), auth, 400, "between"),
             (
                 "/v1/work",
