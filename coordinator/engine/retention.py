@@ -37,6 +37,11 @@ class Retention:
         the database holds at most about two checkpoint intervals. Returns how many blobs
         were deleted."""
         await self.ledger.flush()
+        previous = self.checkpointed
+        if previous is not None:
+            # At once after the commit, no await between: nothing of the steps about to be
+            # purged is left in memory for a late report to change and write back.
+            self.ledger.forget_through(previous)
         blobs = await self.store.prunable_blobs(through_step)
 
         def delete() -> None:
@@ -47,7 +52,7 @@ class Retention:
         await asyncio.to_thread(delete)
         # Rows are purged one checkpoint behind: the last interval's decisions stay for
         # `tilehive logs`, and a slow host's late report of them is still recognised.
-        previous, self.checkpointed = self.checkpointed, through_step
+        self.checkpointed = through_step
         if previous is not None:
             self.ledger.forget_panel_steps(previous)
             self.ledger.forget_steps(previous)

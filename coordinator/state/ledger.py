@@ -262,6 +262,15 @@ class Ledger:
         if gemm is not None:
             self.forgotten[gemm.step].add(gemm_id)
 
+    def forget_through(self, step: int) -> None:
+        """Let go of the GEMMs of steps <= `step` still in memory: a failed or cancelled
+        one stays there after it ends (a finished one leaves at once). Their rows are about
+        to be purged, and a late report must then find nothing to apply: a result written
+        back for a work unit purged from the store breaks the commit that holds it."""
+        for gemm in [g for g in self.gemms.values() if g.step <= step]:
+            if gemm.state is not GemmState.ACTIVE:
+                self.forget_gemm(gemm.id)
+
     def restore(self, snapshot: Snapshot) -> None:
         """Fill memory from committed state (at start, nothing is queued)."""
         self.workunit_counts = Counter(snapshot.workunit_counts)

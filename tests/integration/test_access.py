@@ -314,3 +314,30 @@ async def test_a_volunteer_over_the_rate_limit_slows_down_and_loses_nothing(
         assert np.array_equal(bits(got), bits(kernels.gemm(a, b)))
         refused = [e for e in await co.store.events(kind="result") if e.state == "client_error"]
         assert refused == [] and worker.stats.errors > 0  # it was throttled, and lost nothing
+
+
+async def test_a_late_report_of_a_cancelled_step_purged_since_is_not_written_back(tmp_path, rng):
+    """A volunteer held a tile of a step that failed (a restart found its blobs gone, or
+    the operator cancelled it) and reports it after two checkpoints purged the step: the
+    coordinator must not write its result back for a work unit no longer in the store,
+    which broke the whole commit and stopped training (found by a review, 4 of 4 times)."""
+    a, b = operands(rng, 32, 32, 8, False, False)
+    async with running(tmp_path, tile=16) as (co, queue, url):
+        token = (tmp_path / "project" / "admin.token").read_text().strip()
+        product = asyncio.ensure_future(queue.matmul(a, b, step=3, label="w"))
+        await wait_until(lambda: co.ledger.unsent)
+        async with CoordinatorClient(url) as client:
+            await client.register("h")
+            (held,) = (await client.request_work("r1", capacity=1))["assignments"]
+            tile_a = await client.fetch_blob(held["a"], max_bytes=1 << 20)
+            tile_b = await client.fetch_blob(held["b"], max_bytes=1 << 20)
+            _, tile = compute_tile(held, tile_a, tile_b)
+            assert (await admin(client, "/v1/admin/steps/3/cancel", token))[0] == 200
+            with pytest.raises(GemmFailed):
+                await product
+            await co.retention.prune(4)  # a checkpoint after step 4
+            await co.retention.prune(6)  # the next: the rows of steps <= 4 are purged
+            with pytest.raises(ServerRefused, match="404"):
+                await client.report([{"result_id": held["result_id"], "tile": tile}])
+            await co.ledger.flush()  # and the next commit goes through
+            assert await co.store.result(held["result_id"]) is None
