@@ -50,6 +50,7 @@ class Retention:
                 self.ledger.drop_panel(blob)
 
         await asyncio.to_thread(delete)
+        await self.store.mark_pruned(through_step)
         # Rows are purged one checkpoint behind: the last interval's decisions stay for
         # `tilehive logs`, and a slow host's late report of them is still recognised.
         self.checkpointed = through_step

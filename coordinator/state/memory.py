@@ -194,8 +194,10 @@ class MemoryStore(QueryStore):
         gemms, wus = self.tables["gemms"], self.tables["workunits"]
 
         def wanted(gemm: dict[str, Any]) -> bool:
-            finished = gemm["step"] <= through_step and gemm["state"] == "done"
-            return finished if done_through else not finished
+            old = gemm["step"] <= through_step
+            if done_through:  # as queries.sql: products that ended, done or failed
+                return old and gemm["state"] in ("done", "failed")
+            return not old or gemm["state"] == "active"
 
         blobs = set()
         for wu in wus.values():

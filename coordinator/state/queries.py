@@ -236,8 +236,10 @@ class QueryStore(Store):
     async def prunable_blobs(self, through_step: int) -> set[str]:
         old = {r["blob"] for r in await self._query("select_blobs_through_step", step=through_step)}
         live = {r["blob"] for r in await self._query("select_blobs_after_step", step=through_step)}
-        await self._execute("mark_gemms_pruned", step=through_step)
         return old - live
+
+    async def mark_pruned(self, through_step: int) -> None:
+        await self._execute("mark_gemms_pruned", step=through_step)
 
     async def events_through(self, step: int) -> list[Event]:
         rows = await self._query("select_events_through_step", step=step)

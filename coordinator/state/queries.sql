@@ -119,22 +119,24 @@ SELECT state, SUM(n) AS n FROM (
 ) GROUP BY state;
 
 -- name: select_blobs_through_step
+-- Of the products that ended (done, or failed: a failed one is never run again by id).
 SELECT a_panel AS blob FROM workunits JOIN gemms ON workunits.gemm_id = gemms.id
-WHERE gemms.step <= :step AND gemms.state = 'done'
+WHERE gemms.step <= :step AND gemms.state IN ('done', 'failed')
 UNION SELECT b_panel FROM workunits JOIN gemms ON workunits.gemm_id = gemms.id
-WHERE gemms.step <= :step AND gemms.state = 'done'
+WHERE gemms.step <= :step AND gemms.state IN ('done', 'failed')
 UNION SELECT results.output_hash FROM results
 JOIN workunits ON results.wu_id = workunits.id JOIN gemms ON workunits.gemm_id = gemms.id
-WHERE gemms.step <= :step AND gemms.state = 'done' AND results.has_tile = 1;
+WHERE gemms.step <= :step AND gemms.state IN ('done', 'failed') AND results.has_tile = 1;
 
 -- name: select_blobs_after_step
+-- Of the products that may still read them: later steps', and any still active.
 SELECT a_panel AS blob FROM workunits JOIN gemms ON workunits.gemm_id = gemms.id
-WHERE gemms.step > :step OR gemms.state != 'done'
+WHERE gemms.step > :step OR gemms.state = 'active'
 UNION SELECT b_panel FROM workunits JOIN gemms ON workunits.gemm_id = gemms.id
-WHERE gemms.step > :step OR gemms.state != 'done'
+WHERE gemms.step > :step OR gemms.state = 'active'
 UNION SELECT results.output_hash FROM results
 JOIN workunits ON results.wu_id = workunits.id JOIN gemms ON workunits.gemm_id = gemms.id
-WHERE (gemms.step > :step OR gemms.state != 'done') AND results.has_tile = 1;
+WHERE (gemms.step > :step OR gemms.state = 'active') AND results.has_tile = 1;
 
 -- name: mark_gemms_pruned
 UPDATE gemms SET state = 'pruned' WHERE step <= :step AND state = 'done';

@@ -117,8 +117,13 @@ class Store(abc.ABC):
 
     @abc.abstractmethod
     async def prunable_blobs(self, through_step: int) -> set[str]:
-        """Blobs used only by finished GEMMs of steps <= through_step; marks those GEMMs
-        pruned (their records stay for the logs)."""
+        """Blobs used only by GEMMs of steps <= through_step that ended (done or failed)."""
+
+    @abc.abstractmethod
+    async def mark_pruned(self, through_step: int) -> None:
+        """Mark the done GEMMs of steps <= through_step pruned, once their blobs are deleted
+        (their records stay for the logs): marked before, a kill in between would leave
+        the files on disk with nothing to delete them."""
 
     @abc.abstractmethod
     async def events_through(self, step: int) -> list[Event]:

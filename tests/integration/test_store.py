@@ -182,8 +182,31 @@ async def test_blobs_of_finished_steps_are_prunable_unless_a_later_product_uses_
         )
     )
     assert await store.prunable_blobs(through_step=3) == set()  # both are panels of step 9
+    await store.mark_pruned(through_step=3)
     assert (await store.gemm(gemm.id)).state is GemmState.PRUNED
     assert (await store.gemm(later.id)).state is GemmState.ACTIVE
+
+
+async def test_blobs_are_listed_until_marked_pruned_and_a_failed_products_too(store):
+    """Marked only once the files are deleted: a kill in between lists them again at the
+    next checkpoint, rather than leave them on disk for good. A failed product is never
+    run again by its id, so its blobs go too; a pruned one keeps none alive."""
+    gemm, host, wu, _ = records()
+    failed = dataclasses.replace(gemm, id="f" * 64, state=GemmState.FAILED)
+    failed_wu = dataclasses.replace(wu, id="y" * 64, gemm_id=failed.id, a_panel="ef" * 32)
+    done = gemm.evolve(state=GemmState.DONE)
+    await store.commit(
+        Batch(
+            {done.id: done, failed.id: failed}, {wu.id: wu, failed_wu.id: failed_wu}, {}, {1: host}
+        )
+    )
+    blobs = {wu.a_panel, wu.b_panel, failed_wu.a_panel}
+    assert await store.prunable_blobs(through_step=3) == blobs
+    assert await store.prunable_blobs(through_step=3) == blobs  # killed before marking
+    await store.mark_pruned(through_step=3)
+    assert (await store.gemm(gemm.id)).state is GemmState.PRUNED
+    assert (await store.gemm(failed.id)).state is GemmState.FAILED
+    assert await store.prunable_blobs(through_step=3) == {failed_wu.a_panel, wu.b_panel}
 
 
 async def test_events_filter_and_counts(store):
