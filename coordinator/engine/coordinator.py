@@ -129,20 +129,28 @@ class Coordinator:
                     size = self.blobs.size(panel)
                 if size is not None:
                     self.ledger.add_panel(panel, size, wu.step)
-        for gemm in lost_products(self.ledger, self.blobs):
+        lost = list(lost_products(self.ledger, self.blobs))
+        for gemm in lost:
             # Failed as in an earlier run: the training loop runs it again when it gets there.
-            message = f"{gemm.label or gemm.id[:12]} of step {gemm.step} lost blobs; run again"
-            log.warning("%s (a power cut?)", message)
+            message = f"{gemm.label or gemm.id[:12]} of step {gemm.step} lost its blobs; run again"
+            log.debug(message)
             self.products.drop(gemm, message, time.time())
-        for gemm in self.ledger.gemms.values():
-            if gemm.state is GemmState.ACTIVE:
-                self.products.hold_restored(gemm)
-        await self._restore_pause()
-        if snapshot.gemms:
+        if lost:
             log.info(
-                "resuming %d GEMMs with %d work units",
-                len(snapshot.gemms),
-                len(snapshot.workunits),
+                "%d product(s) in flight at the stop lost their panels or tiles, held in "
+                "memory and not written (expected after a kill): the training loop runs them "
+                "again",
+                len(lost),
+            )
+        active = [g for g in self.ledger.gemms.values() if g.state is GemmState.ACTIVE]
+        for gemm in active:
+            self.products.hold_restored(gemm)
+        await self._restore_pause()
+        if active:
+            log.info(
+                "resuming %d product(s) in flight with %d work units",
+                len(active),
+                sum(len(self.ledger.wus_of.get(g.id, ())) for g in active),
             )
         self.loop = asyncio.create_task(self.passes.run(), name="tilehive-passes")
         self._tasks = [

@@ -97,6 +97,8 @@ class Trainer:
     def resume(self) -> tuple[int, Params, AdamState]:
         """The last checkpoint, or fresh weights at step 0."""
         names = list(init_params(self.project.model, self.project.training.seed))
+        if checkpoints.sweep(self.project.checkpoints):
+            log.info("removed the temporary files of a checkpoint a stop interrupted")
         done = checkpoints.latest(self.project.checkpoints)
         if done is None:
             params = init_params(self.project.model, self.project.training.seed)
@@ -152,6 +154,8 @@ class Trainer:
         corpus = await asyncio.to_thread(self._corpus)
         if step:
             log.info("resuming after step %d from %s", step, self.project.checkpoints)
+        else:
+            log.info("no checkpoint yet: training from step 1")
         reported: asyncio.Task | None = None  # the previous step's report, in order
         try:
             while step < last:
