@@ -79,7 +79,10 @@ def test_init_takes_a_corpus_of_one_file_or_a_few(tmp_path):
 def test_train_local_says_what_it_will_do_and_how_to_go_on_after_ctrl_c(tmp_path):
     project = tmp_path / "p"
     projects.create(project, **{**SMALL, "training.steps": 4, "training.checkpoint_every": 2})
+    (project / "checkpoints").mkdir()
+    (project / "checkpoints" / ".tmp-k1ll3d").write_bytes(b"half a checkpoint")
     said = tilehive("train", str(project), "--local", "--steps", "2").stdout
+    assert not (project / "checkpoints" / ".tmp-k1ll3d").exists()  # a kill's leftover
     assert said.startswith("starting at step 1, training to step 2 of 4\n"), said
     said = tilehive("train", str(project), "--local", "--steps", "1").stdout
     assert said.startswith("nothing to do: step 2 of 4 is done already\n"), said
