@@ -613,7 +613,17 @@ class PullLoop(CoordinatorSession):
                 self.pending[:0] = batch  # sent again after the backoff (or registering)
                 raise
             # Any other 4xx names a report the coordinator will never take: never resend it.
-            self.log.error("the coordinator refused %d report(s): %s", len(batch), exc.message)
+            if exc.status == 404:
+                # Work it no longer knows: sent before it restarted, or of a step it has
+                # let go since. Nothing is wrong with this host or its tiles.
+                self.log.warning(
+                    "the coordinator no longer knows %d result(s) we computed (it restarted, "
+                    "or their step is over): dropped (%s)",
+                    len(batch),
+                    exc.message,
+                )
+            else:
+                self.log.error("the coordinator refused %d report(s): %s", len(batch), exc.message)
             self._failed("report", exc)
         except BaseException:
             self.pending[:0] = batch  # cut off or cancelled: sent again

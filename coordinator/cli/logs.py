@@ -60,6 +60,12 @@ class ProjectView:
         if not self.db_path.exists() or (
             self.db_path.stat().st_size == 0 and not has_trained(self.directory)
         ):
+            if (self.directory / PROJECT_FILE).exists() and has_trained(self.directory):
+                raise InspectError(
+                    f"{self.directory} has trained but holds no state.db (moved away, or only "
+                    "`train --local` ran): no task or validation history to show; "
+                    f"`tilehive status {quote(str(self.directory))}` shows its training"
+                )
             if (self.directory / PROJECT_FILE).exists():
                 raise InspectError(
                     f"{self.directory} is a project whose coordinator has not run yet: "

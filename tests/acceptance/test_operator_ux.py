@@ -69,6 +69,8 @@ def test_init_takes_a_corpus_of_one_file_or_a_few(tmp_path):
         # status reads the steps --local took: no coordinator has run, nothing else to show
         said = tilehive("status", str(project)).stdout
         assert "step 1 of 1, loss" in said and "training finished" in said, said
+        said = tilehive("logs", "tasks", str(project)).stderr
+        assert "has trained but holds no state.db" in said and "has not run yet" not in said
     tiny = tmp_path / "tiny.txt"
     tiny.write_bytes(text[:10_000])
     refused = tilehive("init", str(tmp_path / "t"), "--corpus", str(tiny))
