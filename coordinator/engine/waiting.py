@@ -67,8 +67,8 @@ def explain(ledger: Ledger, paused: bool, now: float, storage: str | None = None
     if not hosts:
         return Wait(
             "no_volunteers",
-            f"work waits for volunteers: none has asked for work in the last "
-            f"{CONNECTED_WITHIN:.0f}s (start one: tilehive volunteer start URL)",
+            "work waits for volunteers: none is connected, none has asked for work lately "
+            "(start one: tilehive volunteer start URL)",
             waiting,
         )
     too_small = held = quorum = 0
