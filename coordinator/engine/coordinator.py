@@ -146,7 +146,7 @@ class Coordinator:
         for gemm in active:
             self.products.hold_restored(gemm)
         await self._restore_pause()
-        if active:
+        if snapshot.gemms:  # a restart: said even when none of its products survived
             log.info(
                 "resuming %d product(s) in flight with %d work units",
                 len(active),
