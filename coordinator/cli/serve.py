@@ -21,7 +21,7 @@ from coordinator.engine.backend import (
 from coordinator.engine.config import CoordinatorConfig
 from coordinator.engine.coordinator import Coordinator
 from coordinator.engine.products import GemmFailed
-from coordinator.rules.access import AccessConfig
+from coordinator.rules.access import AccessConfig, networks
 from coordinator.rules.scheduler import SchedulerConfig
 from coordinator.server.api import check_bind, serve
 from coordinator.state import integrity
@@ -67,6 +67,7 @@ def coordinator_config(project: Project, blob_memory_mb: int | None = None) -> C
             host_rate=access.host_rate,
             host_burst=2 * access.host_rate,
             registrations_per_hour=access.registrations_per_hour,
+            trusted_proxies=networks(access.trusted_proxies),
         ),
     )
 

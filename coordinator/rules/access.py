@@ -1,8 +1,10 @@
-"""Who may do what, how often: the admin token, invite codes, and per-host rate limits."""
+"""Who may do what, how often: the admin token, invite codes, per-host rate limits, and
+who a request came from behind a reverse proxy."""
 
 from __future__ import annotations
 
 import hmac
+import ipaddress
 import os
 import secrets
 from collections import defaultdict, deque
@@ -58,12 +60,61 @@ class TokenBucket:
         self.tokens = min(self.burst, self.tokens + tokens)
 
 
+Network = ipaddress.IPv4Network | ipaddress.IPv6Network
+
+
+def networks(text: str) -> tuple[Network, ...]:
+    """The addresses and networks of a comma-separated list ("127.0.0.1, 10.0.0.0/8").
+    Raises ValueError naming the first that is neither."""
+    found = []
+    for item in (part.strip() for part in text.split(",")):
+        if item:
+            try:
+                found.append(ipaddress.ip_network(item, strict=False))
+            except ValueError:
+                raise ValueError(f"{item!r} is not an address or a network") from None
+    return tuple(found)
+
+
+def client_address(peer: str | None, forwarded: str | None, proxies: tuple[Network, ...]) -> str:
+    """The address a request came from: its peer's, or, when the peer is a trusted reverse
+    proxy, the last address of X-Forwarded-For that is no trusted proxy's own. Each proxy
+    appends the address it heard from, so that one is the client's; whatever stands left
+    of it, the client may have written itself."""
+    if peer is None or not _within(peer, proxies):
+        return peer or "?"
+    for hop in reversed((forwarded or "").split(",")):
+        hop = hop.strip()
+        if not _within(hop, proxies):
+            return hop if _is_address(hop) else peer  # junk where an address belongs
+    return peer  # proxies all the way: the last one is as near the client as we know
+
+
+def _is_address(text: str) -> bool:
+    try:
+        ipaddress.ip_address(text)
+    except ValueError:
+        return False
+    return True
+
+
+def _within(address: str, proxies: tuple[Network, ...]) -> bool:
+    try:
+        ip = ipaddress.ip_address(address)
+    except ValueError:
+        return False
+    return any(ip in network for network in proxies)
+
+
 @dataclass(frozen=True)
 class AccessConfig:
     invite_code: str = ""  # empty: anyone may register
     host_rate: float = 200.0  # requests per second per host, on average
     host_burst: float = 400.0
     registrations_per_hour: int = 30  # per client address
+    # Reverse proxies whose X-Forwarded-For names the client: without them, every
+    # volunteer behind a proxy has its address, and one registration budget among them.
+    trusted_proxies: tuple[Network, ...] = ()
 
 
 @dataclass

@@ -19,6 +19,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from coordinator.engine.coordinator import Coordinator
 from coordinator.engine.neighbours import is_loopback
 from coordinator.engine.requests import Answer
+from coordinator.rules.access import client_address
 from coordinator.server import dashboard, local
 from coordinator.work import protocol
 from coordinator.work.protocol import (
@@ -70,7 +71,7 @@ def _refused(request: web.Request, status: int, detail: str = "") -> None:
         "%s %s from %s: %d%s",
         loggable(request.method),
         loggable(request.path),
-        loggable(local.peer(request)),
+        loggable(client(request)),
         status,
         f" {loggable(detail)}" if detail else "",
     )
@@ -196,15 +197,28 @@ def wants_frames(request: web.Request) -> bool:
     return frames.CONTENT_TYPE in request.headers.get("Accept", "")
 
 
+def client(request: web.Request) -> str:
+    """Who sent the request: the local socket, its peer's address, or the client's address
+    a trusted reverse proxy forwards (rules/access.py)."""
+    if local.is_local(request):
+        return local.PEER
+    co = request.app.get(COORDINATOR)  # None in a bare app (benchmarks/transfer.py)
+    proxies = co.access.config.trusted_proxies if co is not None else ()
+    if not proxies:
+        return request.remote or "?"
+    return client_address(request.remote, request.headers.get("X-Forwarded-For"), proxies)
+
+
 def on_this_machine(request: web.Request) -> bool:
-    """Whether the request came from this machine: over the local socket or loopback."""
-    return local.is_local(request) or is_loopback(request.remote)
+    """Whether the request came from this machine: over the local socket or loopback (a
+    proxy's own loopback hop does not count: the client behind it is elsewhere)."""
+    return local.is_local(request) or is_loopback(client(request))
 
 
 def local_offer(request: web.Request) -> dict:
     """`local_socket` for an answer to a client on this machine that came over TCP."""
     name = request.app[LOCAL_SOCKET]
-    if name and not local.is_local(request) and is_loopback(request.remote):
+    if name and not local.is_local(request) and is_loopback(client(request)):
         return {"local_socket": name}
     return {}
 
@@ -248,10 +262,10 @@ async def register(request: web.Request) -> web.Response:
     message = protocol.parse_register(await read_body(request, MAX_REGISTER_BYTES))
     # Registrations are counted by address, this machine's all as one: over loopback or
     # the local socket alike.
-    address = "this machine" if on_this_machine(request) else request.remote
-    host, token = await co.hosts.register(message, time.time(), address or "?")
+    address = "this machine" if on_this_machine(request) else client(request)
+    host, token = await co.hosts.register(message, time.time(), address)
     # The name is printable (checked in protocol) and %r quotes it.
-    log.info("registered host %d %r from %s", host.id, host.name, loggable(local.peer(request)))
+    log.info("registered host %d %r from %s", host.id, host.name, loggable(client(request)))
     return msgpack_response({"host_id": host.id, "token": token, "protocol": protocol.VERSION})
 
 

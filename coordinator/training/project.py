@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from coordinator.rules.access import admin_token
+from coordinator.rules.access import admin_token, networks
 from coordinator.work.records import Policy, Redundancy
 
 PROJECT_FILE = "project.toml"
@@ -80,6 +80,7 @@ class AccessSettings:
     invite_code: str = ""
     host_rate: float = 200.0
     registrations_per_hour: int = 30
+    trusted_proxies: str = ""
 
 
 @dataclass(frozen=True)
@@ -121,7 +122,16 @@ SECTIONS = {
     "access": AccessSettings,
 }
 
+
 # (section, key) -> (check, the allowed values as a user reads them)
+def _networks(text: str) -> bool:
+    try:
+        networks(text)
+    except ValueError:
+        return False
+    return True
+
+
 MAX_STEPS = 10_000_000
 MAX_SEED = 2**63 - 1  # numpy's generators take any; SQLite and JSON readers take this much
 RULES: dict[tuple[str, str], tuple[Any, str]] = {
@@ -160,6 +170,10 @@ RULES: dict[tuple[str, str], tuple[Any, str]] = {
     ("access", "invite_code"): (lambda v: len(v) <= 256, "a string of at most 256 characters"),
     ("access", "host_rate"): (lambda v: 0.1 <= v <= 1e6, "requests per second, 0.1 to 1e6"),
     ("access", "registrations_per_hour"): (lambda v: 1 <= v <= 1e9, "a positive integer"),
+    ("access", "trusted_proxies"): (
+        _networks,
+        'addresses or networks, comma-separated (e.g. "127.0.0.1, 10.0.0.0/8")',
+    ),
 }
 
 
@@ -288,6 +302,8 @@ invite_code = "{access.invite_code}"          # non-empty: volunteers must regis
 host_rate = {access.host_rate}           # requests per second one host may make (bursts of 2x;
                               # each result it is given earns it one more, to report it)
 registrations_per_hour = {access.registrations_per_hour}   # registrations per client address
+trusted_proxies = "{access.trusted_proxies}"      # reverse proxies (e.g. "127.0.0.1") whose
+                              # X-Forwarded-For names the client: limits and logs use it
 """
 
 

@@ -6,6 +6,7 @@ import asyncio
 import threading
 import time
 
+import aiohttp
 import msgpack
 import numpy as np
 import pytest
@@ -14,7 +15,7 @@ import kernels
 from coordinator.engine import offload
 from coordinator.engine import requests as work_requests
 from coordinator.engine.products import GemmFailed
-from coordinator.rules.access import AccessConfig
+from coordinator.rules.access import AccessConfig, networks
 from coordinator.work.protocol import NotFound
 from coordinator.work.records import Policy
 from tests.factories import bits, operands, running, volunteers
@@ -213,6 +214,35 @@ async def test_rate_limits_answer_429_with_retry_after(tmp_path):
         with pytest.raises(ServerRefused, match="registrations") as refused:
             await CoordinatorClient(url, session=c.session).register("third")
         assert refused.value.status == 429
+
+
+async def register_as(url: str, session, name: str, forwarded: str | None) -> int:
+    """A registration as it arrives through a reverse proxy that says who it came from."""
+    headers = {"Content-Type": "application/msgpack"}
+    if forwarded is not None:
+        headers["X-Forwarded-For"] = forwarded
+    body = msgpack.packb({"name": name})
+    async with session.post(url + "/v1/hosts", data=body, headers=headers) as reply:
+        return reply.status
+
+
+async def test_behind_a_trusted_proxy_each_volunteer_has_its_own_registration_budget(tmp_path):
+    """The docs recommend a TLS reverse proxy; every volunteer then comes from the proxy's
+    address, and without it named one stranger's registrations would refuse everyone's."""
+    trusted = AccessConfig(registrations_per_hour=2, trusted_proxies=networks("127.0.0.1"))
+    async with running(tmp_path, access=trusted) as (_, _, url), aiohttp.ClientSession() as s:
+        stranger = [await register_as(url, s, f"s{i}", "203.0.113.9") for i in range(3)]
+        assert stranger == [200, 200, 429]
+        assert await register_as(url, s, "volunteer", "198.51.100.7") == 200
+        # what the client wrote itself, left of what the proxy appended, is not believed
+        assert await register_as(url, s, "liar", "192.0.2.1, 203.0.113.9") == 429
+
+
+async def test_without_a_trusted_proxy_a_forwarded_header_is_not_believed(tmp_path):
+    async with running(tmp_path, access=AccessConfig(registrations_per_hour=2)) as (_, _, url):
+        async with aiohttp.ClientSession() as s:
+            said = [await register_as(url, s, f"h{i}", f"198.51.100.{i}") for i in range(3)]
+        assert said == [200, 200, 429]  # all from this machine, whatever the header says
 
 
 async def test_a_client_that_stalls_its_body_gets_408(tmp_path):
