@@ -28,6 +28,12 @@ class CoordinatorConfig:
     sizing: SizingConfig = field(default_factory=SizingConfig)
     freivalds_rounds: int = 8
     tail_fraction: float = 0.9  # share of a GEMM's tiles done before spares are issued
+    # A work unit whose every replica in progress has been out this many times what a tile
+    # takes the crowd (and at least straggler_floor seconds) gets a spare replica: a host
+    # that sits on a product's only tile (slow, stopped, or hoarding) holds its step up
+    # seconds, not the minutes of its deadline.
+    straggler_factor: float = 4.0
+    straggler_floor: float = 2.0
     max_blob_bytes: int = 64 << 20
     recent_blob_bytes: int = 256 << 20  # the panels and tiles stored last, kept for readers
     # Panels and tiles held in memory, not yet written, at most: most die at the next

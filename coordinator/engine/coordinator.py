@@ -101,11 +101,22 @@ class Coordinator:
         self.requests.crowd = self.crowd.hosts
         self.reports.reported = self.requests.reported
         self.ledger.on_unsent = self.requests.signal_work
+        self.ledger.on_quarantined = self._take_back
         self.ledger.on_promise = self.passes.wake
         # The background passes (validate, transition, assimilate, commit): they run until
         # stop() and end early only by failing, which whoever waits on the work must see.
         self.loop: asyncio.Task | None = None
         self._tasks: list[asyncio.Task] = []
+
+    def _take_back(self, host_id: int) -> None:
+        taken = self.products.take_back(
+            host_id, f"taken back: host {host_id} is quarantined", time.time()
+        )
+        if taken:
+            log.info(
+                "host %d is quarantined: %d result(s) it held go to other hosts", host_id, taken
+            )
+        self.passes.wake()
 
     async def start(self) -> None:
         swept = await asyncio.to_thread(self.blobs.sweep_temporary)

@@ -50,6 +50,9 @@ COMMIT_WINDOW = 0.1  # seconds
 # replies of at most this window (and the rest of a pass under way) promised; before, it
 # lost what the replies during one pass promised.
 PROMISE_WINDOW = 0.01  # seconds
+# How often the passes look for stragglers: a walk over the work units of every product in
+# flight, which every pass would pay for nothing (a pass runs at least every second).
+STRAGGLER_LOOK = 0.5  # seconds
 
 
 class Passes:
@@ -77,6 +80,7 @@ class Passes:
         self._checks: dict[str, validator.Check] = {}
         self._wake = asyncio.Event()
         self.after_pass = lambda now: None  # the Coordinator's bookkeeping (tile rates)
+        self._stragglers_seen = 0.0  # when the passes last looked for stragglers
 
     def wake(self) -> None:
         self._wake.set()
@@ -138,6 +142,9 @@ class Passes:
         finally:
             self.products.tiles.clear()
         self._accelerate_tails(now)
+        if now - self._stragglers_seen >= STRAGGLER_LOOK:
+            self._stragglers_seen = now
+            self._spare_stragglers(now)
         self.after_pass(now)
         await self._commit_if_due()
 
@@ -310,6 +317,40 @@ class Passes:
             self.products.tiles[result.output_hash] = tile
         return checks
 
+    def _spare_stragglers(self, now: float) -> None:
+        """A spare replica for each work unit whose replicas have all been out far longer
+        than a tile takes the crowd: the tail rule spares only products nearly done, and a
+        product of one tile, or one host sitting on its tiles, is never nearly done. Once a
+        work unit (`accelerated`), and only with another host in service to take it."""
+        watch = self.products.crowd
+        if watch is None:
+            return
+        floor = self.config.straggler_floor
+        for output in list(self.products.outputs.values()):
+            for wu_id in list(output.remaining):
+                wu = self.ledger.wus.get(wu_id)
+                if wu is None or wu.state is not WuState.ACTIVE or wu.accelerated:
+                    continue
+                results = self.ledger.results_for(wu.id)
+                if straggling(results, now, floor) is None:
+                    continue  # the common case: no crowd looked at (its view is cached)
+                crowd = watch.crowd(now)
+                if crowd.hosts < 2:
+                    return
+                expected = sizing.tile_seconds(*wu.shape, crowd)
+                lag = max(floor, self.config.straggler_factor * expected)
+                age = straggling(results, now, lag)
+                if age is None:
+                    continue
+                spare = wu.evolve(target_nresults=wu.target_nresults + 1, accelerated=True)
+                self.ledger.put_wu(spare)
+                self.ledger.touched.add(wu.id)
+                message = (
+                    f"straggler: out {age:.1f}s where a tile takes the crowd about "
+                    f"{expected:.2f}s; spare replica for another host"
+                )
+                self.ledger.log([Event.about(wu, now, "accelerated", message)])
+
     def _accelerate_tails(self, now: float) -> None:
         """Spare replicas for the last work units of a GEMM that is nearly done."""
         for output in list(self.products.outputs.values()):
@@ -337,6 +378,16 @@ class Passes:
                 self.ledger.touched.add(wu.id)
                 message = f"tail: {done}/{len(wus)} tiles done; spare replica for a fast host"
                 self.ledger.log([Event.about(wu, now, "accelerated", message)])
+
+
+def straggling(results: list[Result], now: float, lag: float) -> float | None:
+    """How long the replicas in progress of a work unit have all been out, if each has
+    been out `lag` seconds or more and none is waiting to be sent; else None."""
+    out = [r for r in results if r.server_state is ServerState.IN_PROGRESS]
+    if not out or any(r.server_state is ServerState.UNSENT for r in results):
+        return None
+    youngest = now - max(r.sent_time or now for r in out)
+    return youngest if youngest >= lag else None
 
 
 def check_bytes(wus: list[WorkUnit]) -> int:

@@ -465,6 +465,25 @@ class Products:
             self.ledger.log([Event.about(wu, now, outcome.value, message, r)])
         return aborted
 
+    def take_back(self, host_id: int, message: str, now: float) -> int:
+        """End the results a host holds as given back (outcome no_reply, received now), so
+        that their work units go to other hosts at once rather than wait out deadlines of
+        up to a minute: for a quarantined host, which may never report them. Returns how
+        many."""
+        taken = 0
+        for result_id in list(self.ledger.in_progress_of.get(host_id, ())):
+            result = self.ledger.results[result_id]
+            wu = self.ledger.wus[result.wu_id]
+            self.ledger.put_result(
+                result.evolve(
+                    server_state=ServerState.OVER, outcome=Outcome.NO_REPLY, received_time=now
+                )
+            )
+            self.ledger.log([Event.about(wu, now, "no_reply", message, result)])
+            self.ledger.touched.add(wu.id)
+            taken += 1
+        return taken
+
     def drop(self, gemm: Gemm, message: str, now: float) -> tuple[int, int]:
         """End an active GEMM as failed: its undecided work units stop, their hosts are told.
         Returns (work units dropped, results in progress aborted)."""

@@ -66,7 +66,12 @@ class Reports:
 
         A batch refused for a forged or malformed result costs the host as an invalid result
         would: an honest client never sends one, and a liar must not lie for free. A report
-        that also asks for work is committed with the answer to that ask (server/api.py)."""
+        that also asks for work is committed with the answer to that ask (server/api.py).
+        A quarantined host's reports are refused: what it held went to others when it was
+        quarantined, and its tiles are no votes any more."""
+        current = self.ledger.hosts[host.id]
+        if current.quarantined:
+            raise Forbidden(trust.why_quarantined(current, self.config.trust))
         try:
             return await self._report(host, request, now)
         except (BadRequest, Forbidden) as exc:

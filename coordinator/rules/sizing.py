@@ -60,6 +60,16 @@ def tile_bytes(tm: int, tn: int, k: int, upload: bool = True) -> int:
     return 4 * (tm * k + k * tn + (tm * tn if upload else 0))
 
 
+def tile_seconds(tm: int, tn: int, k: int, crowd: Crowd) -> float:
+    """Seconds a tm x tn tile over k takes a host of the crowd's median speed, round trip,
+    panels and upload included."""
+    return (
+        2.0 * tm * tn * k / (max(crowd.gflops, 1e-3) * 1e9)
+        + crowd.overhead
+        + crowd.seconds_per_byte * tile_bytes(tm, tn, k)
+    )
+
+
 def estimate(
     m: int, n: int, k: int, tile: int, crowd: Crowd, replicas: int, config: SizingConfig
 ) -> float:
@@ -68,11 +78,7 @@ def estimate(
     tm, tn = min(tile, m), min(tile, n)
     tiles = math.ceil(m / tile) * math.ceil(n / tile)
     results = tiles * replicas
-    per_tile = (
-        2.0 * tm * tn * k / (max(crowd.gflops, 1e-3) * 1e9)
-        + crowd.overhead
-        + crowd.seconds_per_byte * tile_bytes(tm, tn, k)
-    )
+    per_tile = tile_seconds(tm, tn, k, crowd)
     waves = math.ceil(results / max(crowd.hosts, 1))
     return max(waves * per_tile, results * config.coordinator_seconds)
 

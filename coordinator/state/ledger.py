@@ -76,6 +76,9 @@ class Ledger:
         self._committing = Batch()  # the batch of the commit under way (empty if none)
         self._lock = asyncio.Lock()
         self.on_unsent: Callable[[], None] | None = None  # new work for waiting hosts
+        # A host was just quarantined (by its results, its reports or the operator): what
+        # it holds goes to others (Products.take_back).
+        self.on_quarantined: Callable[[int], None] | None = None
         self.on_promise: Callable[[], None] | None = None  # the passes: a commit is due soon
         # The latest results reported (host, sent, received, outcome): the dashboard's task
         # stream. Bounded: it is a view, not a record (the store has every result).
@@ -131,10 +134,13 @@ class Ledger:
         self._queued()
 
     def put_host(self, host: Host) -> None:
+        old = self.hosts.get(host.id)
         self.hosts[host.id] = host
         self.host_by_token[host.token_hash] = host.id
         self._batch.hosts[host.id] = host
         self._queued()
+        if host.quarantined and old is not None and not old.quarantined and self.on_quarantined:
+            self.on_quarantined(host.id)
 
     def put_wu(self, wu: WorkUnit) -> None:
         old = self.wus.get(wu.id)

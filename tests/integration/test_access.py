@@ -371,3 +371,63 @@ async def test_a_late_report_of_a_cancelled_step_purged_since_is_not_written_bac
                 await client.report([{"result_id": held["result_id"], "tile": tile}])
             await co.ledger.flush()  # and the next commit goes through
             assert await co.store.result(held["result_id"]) is None
+
+
+async def test_a_host_that_sits_on_a_products_only_tile_gets_a_spare_beside_it(tmp_path, rng):
+    """A host that takes a tile and never reports it (slow, stopped, or hoarding) held its
+    step for the tile's whole deadline, up to a minute, again and again: a product of one
+    tile is never 'nearly done' for the tail rule. Now a spare goes to another host once
+    the tile has been out far longer than the crowd takes for one."""
+    a, b = operands(rng, 16, 16, 8, False, False)
+    async with running(tmp_path, tile=16, policy=Policy.FREIVALDS, straggler_floor=0.3) as (
+        co,
+        queue,
+        url,
+    ):
+        async with CoordinatorClient(url) as hoarder, CoordinatorClient(url) as honest:
+            await hoarder.register("hoarder")
+            await honest.register("honest")
+            product = asyncio.ensure_future(queue.matmul(a, b, step=1, label="w"))
+            await wait_until(lambda: co.ledger.unsent)
+            (held,) = (await hoarder.request_work("h1", capacity=1))["assignments"]
+            started = time.monotonic()
+            work = await honest.request_work("o1", capacity=1, wait=True)
+            while not work["assignments"]:
+                assert time.monotonic() - started < 20, "no spare for the straggling tile"
+                work = await honest.request_work(f"o{time.monotonic()}", capacity=1, wait=True)
+            (spare,) = work["assignments"]
+            assert spare["wu_id"] == held["wu_id"] and spare["result_id"] != held["result_id"]
+            tile_a = await honest.fetch_blob(spare["a"], max_bytes=1 << 20)
+            tile_b = await honest.fetch_blob(spare["b"], max_bytes=1 << 20)
+            _, tile = compute_tile(spare, tile_a, tile_b)
+            await honest.report([{"result_id": spare["result_id"], "tile": tile}])
+            got = await asyncio.wait_for(product, 20)
+        assert np.array_equal(bits(got), bits(kernels.gemm(a, b)))
+        events = await co.store.events(kind="wu", state="accelerated")
+        assert any("straggler" in e.message for e in events)
+
+
+async def test_a_quarantined_hosts_work_goes_to_others_at_once_and_its_reports_are_refused(
+    tmp_path, rng
+):
+    a, b = operands(rng, 16, 16, 8, False, False)
+    async with running(tmp_path, tile=16, policy=Policy.FREIVALDS) as (co, queue, url):
+        token = (tmp_path / "project" / "admin.token").read_text().strip()
+        async with CoordinatorClient(url) as suspect, CoordinatorClient(url) as honest:
+            suspect_id = await suspect.register("suspect")
+            await honest.register("honest")
+            product = asyncio.ensure_future(queue.matmul(a, b, step=1, label="w"))
+            await wait_until(lambda: co.ledger.unsent)
+            (held,) = (await suspect.request_work("s1", capacity=1))["assignments"]
+            path = f"/v1/admin/hosts/{suspect_id}/quarantine"
+            assert (await admin(honest, path, token))[0] == 200
+            # at once, not after the tile's deadline (a minute here)
+            (again,) = (await honest.request_work("o1", capacity=1, wait=True))["assignments"]
+            assert again["wu_id"] == held["wu_id"]
+            tile_a = await honest.fetch_blob(again["a"], max_bytes=1 << 20)
+            tile_b = await honest.fetch_blob(again["b"], max_bytes=1 << 20)
+            _, tile = compute_tile(again, tile_a, tile_b)
+            with pytest.raises(ServerRefused, match="quarantined by the project's operator"):
+                await suspect.report([{"result_id": held["result_id"], "tile": tile}])
+            await honest.report([{"result_id": again["result_id"], "tile": tile}])
+            await asyncio.wait_for(product, 20)

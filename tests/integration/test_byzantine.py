@@ -124,6 +124,10 @@ async def test_one_liar_among_honest_volunteers_cannot_change_the_product(
             # A replay changes nothing: it is listed as a duplicate, never accepted again.
             assert sent.status == 200 and sent.outcome in ("duplicate", "late"), sent
             caught += 1
+        elif sent.status == 403 and "quarantined" in sent.outcome:
+            # Sent once its lies had it quarantined: refused, never judged.
+            assert not verdicts, sent
+            caught += 1
         elif sent.upload == "tile" and lie in EDGE:
             status, words = REFUSAL[lie]
             assert (sent.status, words in sent.outcome) == (status, True), sent
