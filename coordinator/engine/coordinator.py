@@ -25,6 +25,7 @@ from coordinator.engine.reports import Reports
 from coordinator.engine.requests import WorkRequests
 from coordinator.engine.retention import Retention
 from coordinator.engine.waiting import Waiting
+from coordinator.rules import trust
 from coordinator.rules.access import Access, admin_token
 from coordinator.rules.scheduler import Scheduler
 from coordinator.state.blobs import BlobStore
@@ -102,11 +103,28 @@ class Coordinator:
         self.reports.reported = self.requests.reported
         self.ledger.on_unsent = self.requests.signal_work
         self.ledger.on_quarantined = self._take_back
+        self.passes.sat_on = self._sat_on
         self.ledger.on_promise = self.passes.wake
         # The background passes (validate, transition, assimilate, commit): they run until
         # stop() and end early only by failing, which whoever waits on the work must see.
         self.loop: asyncio.Task | None = None
         self._tasks: list[asyncio.Task] = []
+
+    def _sat_on(self, host_id: int, now: float) -> None:
+        """A host's tile needed a straggler's spare: a missed deadline for its standing (no
+        trust, half the quota), and no new work for a while, longer each time in a row."""
+        host = self.ledger.hosts.get(host_id)
+        if host is None:
+            return
+        self.ledger.put_host(trust.after_error(host, self.config.trust))
+        seconds = self.requests.cooling.sat_on(host_id, now)
+        log.info(
+            "host %d %r sat on a tile long after the others' came back: it went to another "
+            "host, and this one gets no new work for %.0fs",
+            host_id,
+            host.name,
+            seconds,
+        )
 
     def _take_back(self, host_id: int) -> None:
         taken = self.products.take_back(

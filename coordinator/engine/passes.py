@@ -10,6 +10,7 @@ import asyncio
 import contextlib
 import logging
 import time
+from collections.abc import Callable
 
 import numpy as np
 
@@ -81,6 +82,9 @@ class Passes:
         self._wake = asyncio.Event()
         self.after_pass = lambda now: None  # the Coordinator's bookkeeping (tile rates)
         self._stragglers_seen = 0.0  # when the passes last looked for stragglers
+        # A host sat on a tile that needed a straggler's spare (the Coordinator: no new work
+        # for it a while, rules/cooling.py).
+        self.sat_on: Callable[[int, float], None] = lambda host_id, now: None
 
     def wake(self) -> None:
         self._wake.set()
@@ -326,6 +330,7 @@ class Passes:
         if watch is None:
             return
         floor = self.config.straggler_floor
+        sitting: set[int] = set()  # hosts holding the tiles spared: once each, this look
         for output in list(self.products.outputs.values()):
             for wu_id in list(output.remaining):
                 wu = self.ledger.wus.get(wu_id)
@@ -342,6 +347,11 @@ class Passes:
                 age = straggling(results, now, lag)
                 if age is None:
                     continue
+                sitting.update(
+                    r.host_id
+                    for r in results
+                    if r.server_state is ServerState.IN_PROGRESS and r.host_id is not None
+                )
                 spare = wu.evolve(target_nresults=wu.target_nresults + 1, accelerated=True)
                 self.ledger.put_wu(spare)
                 self.ledger.touched.add(wu.id)
@@ -350,6 +360,8 @@ class Passes:
                     f"{expected:.2f}s; spare replica for another host"
                 )
                 self.ledger.log([Event.about(wu, now, "accelerated", message)])
+        for host_id in sorted(sitting):
+            self.sat_on(host_id, now)
 
     def _accelerate_tails(self, now: float) -> None:
         """Spare replicas for the last work units of a GEMM that is nearly done."""

@@ -11,11 +11,12 @@ import logging
 import time
 from collections import OrderedDict
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from coordinator.engine.config import CoordinatorConfig
 from coordinator.engine.waiters import Waiters
 from coordinator.rules import trust
+from coordinator.rules.cooling import Cooling
 from coordinator.rules.scheduler import (
     Scheduler,
     idle_delay,
@@ -119,6 +120,7 @@ class WorkRequests:
         # that long, at most, for them to hear that the project is finished).
         self.asks_due_by = 0.0
         self._inflight: dict[tuple[int, str], asyncio.Future] = {}
+        self.cooling = Cooling()  # hosts that sat on a tile wait before they get more
 
     def signal_work(self) -> None:
         """New unsent results: wake as many waiting requests as there is work for."""
@@ -127,6 +129,7 @@ class WorkRequests:
     def reported(self, host_id: int) -> None:
         """The host reported results: a request of its own waiting for work, which its
         share of a product held back, may take more now."""
+        self.cooling.reported(host_id)
         self.waiters.wake_host(host_id)
 
     def finish(self) -> None:
@@ -202,6 +205,9 @@ class WorkRequests:
                     }
                 )
             )
+        cooling = self.cooling.left(host.id, now)
+        if cooling:  # told what to abort, given nothing new (rules/cooling.py)
+            request = replace(request, capacity=0, wait=False)
         # Other hosts get their share of a product: one host does not take all of its tiles
         # while the rest idle or finish their last (sized work cut it for all of them).
         plan = self.scheduler.plan(
@@ -258,7 +264,14 @@ class WorkRequests:
             "bytes_saved": plan.bytes_saved,
             "delay": delay,
         }
-        if plan.too_big and not assignments:
+        if cooling:
+            delay = max(delay, cooling)
+            message["delay"] = delay
+            message["note"] = (
+                f"no new work for {cooling:.0f}s: a tile this volunteer held was still out "
+                "long after the others', and went to another volunteer"
+            )
+        elif plan.too_big and not assignments:
             message["note"] = (
                 f"{plan.too_big} work unit(s) need more memory than this host offers "
                 f"({host.max_memory_mb} MB); the smallest needs "

@@ -376,8 +376,9 @@ async def test_a_late_report_of_a_cancelled_step_purged_since_is_not_written_bac
 async def test_a_host_that_sits_on_a_products_only_tile_gets_a_spare_beside_it(tmp_path, rng):
     """A host that takes a tile and never reports it (slow, stopped, or hoarding) held its
     step for the tile's whole deadline, up to a minute, again and again: a product of one
-    tile is never 'nearly done' for the tail rule. Now a spare goes to another host once
-    the tile has been out far longer than the crowd takes for one."""
+    tile is never 'nearly done' for the tail rule. Now a spare goes to another, proven host
+    once the tile has been out far longer than the crowd takes for one, and the host that
+    sat on it gets no new work for a while."""
     a, b = operands(rng, 16, 16, 8, False, False)
     async with running(tmp_path, tile=16, policy=Policy.FREIVALDS, straggler_floor=0.3) as (
         co,
@@ -385,22 +386,34 @@ async def test_a_host_that_sits_on_a_products_only_tile_gets_a_spare_beside_it(t
         url,
     ):
         async with CoordinatorClient(url) as hoarder, CoordinatorClient(url) as honest:
-            await hoarder.register("hoarder")
             await honest.register("honest")
-            product = asyncio.ensure_future(queue.matmul(a, b, step=1, label="w"))
+
+            async def compute(assignment) -> bytes:
+                tile_a = await honest.fetch_blob(assignment["a"], max_bytes=1 << 20)
+                tile_b = await honest.fetch_blob(assignment["b"], max_bytes=1 << 20)
+                return compute_tile(assignment, tile_a, tile_b)[1]
+
+            # A first product proves the honest host (spares go to proven hosts only).
+            first = asyncio.ensure_future(queue.matmul(b, a, step=1, label="w"))
+            (mine,) = (await honest.request_work("o0", capacity=1, wait=True))["assignments"]
+            await honest.report([{"result_id": mine["result_id"], "tile": await compute(mine)}])
+            await asyncio.wait_for(first, 20)
+            await hoarder.register("hoarder")
+            product = asyncio.ensure_future(queue.matmul(a, b, step=2, label="w"))
             await wait_until(lambda: co.ledger.unsent)
             (held,) = (await hoarder.request_work("h1", capacity=1))["assignments"]
             started = time.monotonic()
             work = await honest.request_work("o1", capacity=1, wait=True)
             while not work["assignments"]:
-                assert time.monotonic() - started < 20, "no spare for the straggling tile"
+                assert time.monotonic() - started < 4, "no spare before the tile's deadline"
                 work = await honest.request_work(f"o{time.monotonic()}", capacity=1, wait=True)
             (spare,) = work["assignments"]
             assert spare["wu_id"] == held["wu_id"] and spare["result_id"] != held["result_id"]
-            tile_a = await honest.fetch_blob(spare["a"], max_bytes=1 << 20)
-            tile_b = await honest.fetch_blob(spare["b"], max_bytes=1 << 20)
-            _, tile = compute_tile(spare, tile_a, tile_b)
-            await honest.report([{"result_id": spare["result_id"], "tile": tile}])
+            cooled = await hoarder.request_work(
+                "h2", capacity=1, in_progress=[held["result_id"]], wait=False
+            )
+            assert cooled["assignments"] == [] and "no new work for 2s" in cooled["note"]
+            await honest.report([{"result_id": spare["result_id"], "tile": await compute(spare)}])
             got = await asyncio.wait_for(product, 20)
         assert np.array_equal(bits(got), bits(kernels.gemm(a, b)))
         events = await co.store.events(kind="wu", state="accelerated")

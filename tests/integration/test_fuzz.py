@@ -20,6 +20,7 @@ from hypothesis import strategies as st
 import kernels
 from coordinator.engine.coordinator import Coordinator, CoordinatorConfig
 from coordinator.rules.access import AccessConfig
+from coordinator.rules.trust import TrustConfig
 from coordinator.server.api import serve
 from coordinator.state.sqlite import SqliteStore
 from coordinator.work.records import Policy, Redundancy
@@ -99,6 +100,9 @@ class Server:
             # Limits so high they never answer first: every case reaches the parsers (the
             # limits themselves are tested in test_access.py).
             access=AccessConfig(host_rate=1e6, host_burst=1e6, registrations_per_hour=10**6),
+            # Nor is the fuzzer quarantined by its refused reports (a quarantined host's
+            # reports are refused before they are parsed).
+            trust=TrustConfig(quarantine_after=10**9),
         )
         self.co = Coordinator(config, SqliteStore(config.directory / "state.db"))
         self.queue = self.co.products

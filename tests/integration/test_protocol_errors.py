@@ -14,6 +14,7 @@ import pytest
 import kernels
 import kernels.frames
 import kernels.malloc
+from coordinator.rules.trust import TrustConfig
 from tests.factories import bits, operands, running, volunteers
 from tests.volunteers import Behaviour, ScriptedVolunteer, wait_until
 from volunteer.client import CoordinatorClient, compute_tile
@@ -33,7 +34,10 @@ def pack(message) -> bytes:
 
 @pytest.fixture
 async def server(tmp_path, rng):
-    async with running(tmp_path, tile=16, max_request_bytes=4096) as (co, queue, url):
+    # Never quarantined by its refused reports here, so every case reaches the parsers
+    # (quarantine after refusals: test_byzantine.py).
+    trust = TrustConfig(quarantine_after=10**9)
+    async with running(tmp_path, tile=16, max_request_bytes=4096, trust=trust) as (co, queue, url):
         a, b = operands(rng, 24, 24, 8, False, False)
         product = asyncio.ensure_future(queue.matmul(a, b))
         await wait_until(lambda: co.ledger.unsent)

@@ -1,0 +1,39 @@
+"""Hosts that sat on work: no new work for a while, twice as long each time in a row.
+
+A host whose tile needed a straggler's spare (engine/passes.py) held up a product it
+was trusted with; a slow, stopped or hoarding host would take the next product's tile
+the moment it asked again, and hold that up too. Each time in a row it waits twice as
+long before it gets more, up to COOL_MAX; a report of its own ends the streak.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+COOL_BASE = 2.0  # seconds without new work after the first tile a host sat on
+COOL_MAX = 120.0
+
+
+@dataclass
+class Cooling:
+    streak: dict[int, int] = field(default_factory=dict)  # tiles sat on in a row, by host
+    until: dict[int, float] = field(default_factory=dict)  # no new work before (time.time)
+
+    def sat_on(self, host_id: int, now: float) -> float:
+        """The host sat on a tile: seconds it now gets no new work."""
+        streak = self.streak.get(host_id, 0) + 1
+        self.streak[host_id] = streak
+        seconds = min(COOL_MAX, COOL_BASE * 2 ** (streak - 1))
+        self.until[host_id] = now + seconds
+        return seconds
+
+    def reported(self, host_id: int) -> None:
+        """The host reported: whatever it sat on before, it computes."""
+        if host_id in self.streak:
+            del self.streak[host_id]
+            self.until.pop(host_id, None)
+
+    def left(self, host_id: int, now: float) -> float:
+        """Seconds before the host gets new work again (0: now)."""
+        until = self.until.get(host_id)
+        return 0.0 if until is None else max(0.0, until - now)
