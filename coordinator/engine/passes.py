@@ -332,6 +332,8 @@ class Passes:
         floor = self.config.straggler_floor
         sitting: set[int] = set()  # hosts holding the tiles spared: once each, this look
         for output in list(self.products.outputs.values()):
+            if output.gemm is None or now - output.gemm.created < floor:
+                continue  # none of its tiles can have been out that long: most products
             for wu_id in list(output.remaining):
                 wu = self.ledger.wus.get(wu_id)
                 if wu is None or wu.state is not WuState.ACTIVE or wu.accelerated:
