@@ -37,6 +37,7 @@ log = logging.getLogger(__name__)
 
 COORDINATOR = web.AppKey("coordinator", Coordinator)
 LOCAL_SOCKET = web.AppKey("local_socket", str)  # its name; "" when there is none
+PAGES = web.AppKey("pages", dashboard.Pages)
 MAX_REGISTER_BYTES = 16 << 10
 # Bodies this large move in pieces: a buffer filled as chunks arrive, a blob written a
 # piece at a time. asyncio copies a large write's unsent rest into fresh memory, and
@@ -343,7 +344,7 @@ async def metrics(request: web.Request) -> web.Response:
 async def dashboard_page(request: web.Request) -> web.Response:
     co = request.app[COORDINATOR]
     fragment = request.query.get("fragment") == "1"
-    html = await dashboard.render(co, fragment=fragment)
+    html = await request.app[PAGES].get(co, fragment)
     return web.Response(text=html, content_type="text/html")
 
 
@@ -387,6 +388,7 @@ def create_app(
     )
     app[COORDINATOR] = coordinator
     app[LOCAL_SOCKET] = local_socket
+    app[PAGES] = dashboard.Pages()
 
     async def lifetime(app: web.Application):
         try:

@@ -11,6 +11,7 @@ from volunteers, so everything shown is escaped; no token or secret is ever show
 
 from __future__ import annotations
 
+import asyncio
 import html
 import itertools
 import time
@@ -280,6 +281,29 @@ def host_table(co: Coordinator, now: float) -> str:
         + totals
         + "</table>"
     )
+
+
+# A page is made at most this often, however many ask: it is open to anyone, and each
+# costs the event loop about 20 ms with a few dozen hosts (a review's 50 requests a second
+# took training from 65 steps in 20 s to 6). It refreshes itself every REFRESH_MS anyway.
+RENDER_EVERY = REFRESH_MS / 1000
+
+
+class Pages:
+    """The dashboard's page and fragment, each made again once RENDER_EVERY has passed;
+    the requests in between, and those that come while one is being made, share it."""
+
+    def __init__(self) -> None:
+        self._made: dict[bool, tuple[float, asyncio.Future[str]]] = {}
+
+    async def get(self, co: Coordinator, fragment: bool) -> str:
+        now = time.monotonic()
+        made = self._made.get(fragment)
+        failed = made is not None and made[1].done() and made[1].exception() is not None
+        if made is None or failed or now - made[0] >= RENDER_EVERY:
+            made = (now, asyncio.ensure_future(render(co, fragment)))
+            self._made[fragment] = made
+        return await asyncio.shield(made[1])
 
 
 async def render(co: Coordinator, fragment: bool = False) -> str:

@@ -444,3 +444,29 @@ async def test_a_quarantined_hosts_work_goes_to_others_at_once_and_its_reports_a
                 await suspect.report([{"result_id": held["result_id"], "tile": tile}])
             await honest.report([{"result_id": again["result_id"], "tile": tile}])
             await asyncio.wait_for(product, 20)
+
+
+async def test_the_open_dashboard_is_made_once_however_many_ask(tmp_path, monkeypatch):
+    """Anyone may load the dashboard, and a page costs the event loop milliseconds: asked
+    fifty times at once and fifty times in a row, it is made once, not a hundred times."""
+    from coordinator.server import dashboard
+
+    made = []
+    render = dashboard.render
+
+    async def counted(co, fragment=False):
+        made.append(fragment)
+        return await render(co, fragment)
+
+    monkeypatch.setattr(dashboard, "render", counted)
+    monkeypatch.setattr(dashboard, "RENDER_EVERY", 60.0)  # the whole test inside one window
+    async with running(tmp_path) as (_, _, url), aiohttp.ClientSession() as session:
+
+        async def page() -> str:
+            async with session.get(url + "/") as reply:
+                assert reply.status == 200
+                return await reply.text()
+
+        pages = await asyncio.gather(*(page() for _ in range(50)))
+        pages += [await page() for _ in range(50)]
+    assert made == [False] and len(set(pages)) == 1 and "tilehive" in pages[0]
