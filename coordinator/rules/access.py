@@ -130,9 +130,9 @@ class Access:
             raise Unauthorized("admin token required: see DIR/admin.token")
 
     def check_registration(self, address: str, invite: str | None, now: float) -> None:
-        code = self.config.invite_code
-        if code and not hmac.compare_digest((invite or "").encode(), code.encode()):
-            raise Forbidden("this project needs an invite code to register (field 'invite')")
+        """Refuse a registration beyond the address's hourly budget, or without the invite
+        code. Every attempt counts against the budget, a wrong code too: otherwise a
+        stranger could guess codes as fast as the coordinator answers."""
         window = self.registrations[address]
         while window and window[0] < now - 3600:
             window.popleft()
@@ -142,6 +142,9 @@ class Access:
                 f"{len(window)} registrations from {address} in the last hour", retry
             )
         window.append(now)
+        code = self.config.invite_code
+        if code and not hmac.compare_digest((invite or "").encode(), code.encode()):
+            raise Forbidden("this project needs an invite code to register (field 'invite')")
 
     def credit(self, host_id: int, results: int) -> None:
         """The host was given `results` results: it may report each of them beyond its rate

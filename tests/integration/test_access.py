@@ -194,6 +194,18 @@ async def test_an_invite_code_guards_registration(tmp_path):
         assert await c.register("friend", invite="open-sesame") >= 1
 
 
+async def test_wrong_invite_codes_count_against_the_registration_budget(tmp_path):
+    """Else a stranger could guess the code as fast as the coordinator answers."""
+    access = AccessConfig(invite_code="open-sesame", registrations_per_hour=3)
+    async with running(tmp_path, access=access) as (_, _, url), CoordinatorClient(url) as c:
+        for guess in ("a", "b", "c"):
+            with pytest.raises(ServerRefused, match="invite code"):
+                await c.register("guesser", invite=guess)
+        with pytest.raises(ServerRefused, match="registrations") as refused:
+            await c.register("guesser", invite="open-sesame")
+        assert refused.value.status == 429
+
+
 async def test_rate_limits_answer_429_with_retry_after(tmp_path):
     access = AccessConfig(host_rate=1.0, host_burst=3.0, registrations_per_hour=2)
     async with running(tmp_path, access=access) as (_, _, url), CoordinatorClient(url) as c:
