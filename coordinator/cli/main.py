@@ -741,7 +741,7 @@ def resume(url, project_dir, admin_token) -> None:
 def quarantine(url, project_dir, admin_token, host) -> None:
     """Give HOST (an id, or a name as the dashboard shows it) no more work."""
     reply = _admin_call(url, _host_path(host, "quarantine"), project_dir, admin_token)
-    click.echo(f"host {reply['host_id']} ({host}) quarantined")
+    click.echo(_host_said(reply, "quarantined", "was quarantined already: nothing changed"))
 
 
 @admin.command()
@@ -750,7 +750,15 @@ def quarantine(url, project_dir, admin_token, host) -> None:
 def release(url, project_dir, admin_token, host) -> None:
     """Let HOST (an id or a name) work again, starting with no trust and a quota of one."""
     reply = _admin_call(url, _host_path(host, "release"), project_dir, admin_token)
-    click.echo(f"host {reply['host_id']} ({host}) released")
+    click.echo(_host_said(reply, "released", "was not quarantined: nothing changed"))
+
+
+def _host_said(reply: dict, done: str, unchanged: str) -> str:
+    """What an admin call on a host did, naming it as the coordinator knows it (an older
+    coordinator sends neither its name nor whether anything changed)."""
+    name = f" {reply['name']!r}" if isinstance(reply.get("name"), str) else ""
+    what = done if reply.get("changed", True) else unchanged
+    return f"host {reply['host_id']}{name} {what}"
 
 
 def _host_path(host: str, action: str) -> str:

@@ -34,9 +34,13 @@ class Operator:
             self.requests.signal_work()
 
     async def set_quarantined(self, host_id: int, quarantined: bool, now: float) -> Host:
+        """Quarantine a host or release it; a host already so is left as it is (a release
+        starts a host over, which a healthy host's record must not)."""
         host = self.ledger.hosts.get(host_id)
         if host is None:
             raise NotFound(f"no host {host_id}")
+        if host.quarantined == quarantined:
+            return host
         changed = host.evolve(quarantined=quarantined)
         if not quarantined:
             # A released host starts over: no trust, a small quota, and a clean invalid count.

@@ -360,8 +360,16 @@ async def admin_host(request: web.Request) -> web.Response:
     co.access.check_admin(bearer(request))
     host_id = co.hosts.find(request.match_info["host_id"])
     action = request.match_info["action"]
+    before = co.ledger.hosts.get(host_id)
     host = await co.operator.set_quarantined(host_id, action == "quarantine", time.time())
-    return msgpack_response({"host_id": host.id, "quarantined": host.quarantined})
+    return msgpack_response(
+        {
+            "host_id": host.id,
+            "name": host.name,
+            "quarantined": host.quarantined,
+            "changed": before is None or before.quarantined != host.quarantined,
+        }
+    )
 
 
 async def admin_cancel_step(request: web.Request) -> web.Response:

@@ -288,8 +288,15 @@ async def test_admin_quarantine_takes_a_name_and_refuses_an_ambiguous_one(worked
     done = await asyncio.to_thread(
         tilehive, "admin", "quarantine", url, unique, "--project", str(project)
     )
-    assert done.returncode == 0 and f"host {host.id} ({unique}) quarantined" in done.stdout
+    assert done.returncode == 0 and f"host {host.id} {unique!r} quarantined" in done.stdout
     assert co.ledger.hosts[host.id].quarantined
+    # A healthy host "released" is left as it is: a release starts a host over
+    healthy = next(h for h in co.ledger.hosts.values() if not h.quarantined)
+    said = await asyncio.to_thread(
+        tilehive, "admin", "release", url, str(healthy.id), "--project", str(project)
+    )
+    assert said.returncode == 0 and "was not quarantined: nothing changed" in said.stdout
+    assert co.ledger.hosts[healthy.id] == healthy
     twice = await asyncio.to_thread(
         tilehive, "admin", "release", url, shared, "--project", str(project)
     )
