@@ -9,6 +9,7 @@ import dataclasses
 import enum
 import gzip
 import json
+import time
 from pathlib import Path
 from typing import Any
 
@@ -19,6 +20,7 @@ from coordinator.state.store import Store
 # Under DIR/logs/: the events and the work units (with their canonical tiles' hashes) of
 # purged steps.
 EVENTS_ARCHIVE = "events.jsonl.gz"
+RECENT_EVENTS = 60.0  # seconds of events a purge leaves: status's tiles/s window
 WORKUNITS_ARCHIVE = "workunits.jsonl.gz"
 
 
@@ -57,13 +59,16 @@ class Retention:
         if previous is not None:
             self.ledger.forget_panel_steps(previous)
             self.ledger.forget_steps(previous)
-            events = await self.store.events_through(previous)
+            # The last minute's events stay for a later purge: status from the project's
+            # files counts its tiles a second over them (cli/logs.py).
+            recent = time.time() - RECENT_EVENTS
+            events = await self.store.events_through(previous, before=recent)
             workunits = await self.store.workunits_through(previous)
             # Archived before they are deleted: a crash in between archives some twice.
             folder = self.directory / "logs"
             await asyncio.to_thread(archive, folder / EVENTS_ARCHIVE, events)
             await asyncio.to_thread(archive, folder / WORKUNITS_ARCHIVE, workunits)
-            await self.store.purge(previous)
+            await self.store.purge(previous, events_before=recent)
         return len(blobs)
 
 

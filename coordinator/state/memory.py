@@ -229,8 +229,8 @@ class MemoryStore(QueryStore):
         invalid = sum(r["validate_state"] == "invalid" for r in self.tables["results"].values())
         return [{"n": invalid + self.tables["purged"].get("invalid_results", 0)}]
 
-    def select_events_through_step_run(self, step: int) -> list[Row]:
-        return [e for e in self.tables["events"].values() if _through(e, step)]
+    def select_events_through_step_run(self, step: int, before: float) -> list[Row]:
+        return [e for e in self.tables["events"].values() if _through(e, step, before)]
 
     def select_panel_steps_run(self) -> list[Row]:
         steps: dict[str, int] = {}
@@ -269,8 +269,8 @@ class MemoryStore(QueryStore):
     def delete_gemms_through_step_run(self, step: int) -> None:
         self._delete("gemms", lambda g: g["step"] <= step)
 
-    def delete_events_through_step_run(self, step: int) -> None:
-        self._delete("events", lambda e: _through(e, step))
+    def delete_events_through_step_run(self, step: int, before: float) -> None:
+        self._delete("events", lambda e: _through(e, step, before))
 
     def _delete(self, table: str, doomed) -> None:
         rows = self.tables[table]
@@ -291,5 +291,5 @@ def _as_stored(name: str, values: tuple) -> dict[str, Any]:
     return row
 
 
-def _through(event: dict[str, Any], step: int) -> bool:
-    return event["step"] is not None and event["step"] <= step
+def _through(event: dict[str, Any], step: int, before: float) -> bool:
+    return event["step"] is not None and event["step"] <= step and event["time"] < before

@@ -11,6 +11,7 @@ from __future__ import annotations
 import abc
 import dataclasses
 import functools
+import math
 import operator
 import re
 from collections.abc import Callable, Mapping
@@ -241,8 +242,8 @@ class QueryStore(Store):
     async def mark_pruned(self, through_step: int) -> None:
         await self._execute("mark_gemms_pruned", step=through_step)
 
-    async def events_through(self, step: int) -> list[Event]:
-        rows = await self._query("select_events_through_step", step=step)
+    async def events_through(self, step: int, before: float = math.inf) -> list[Event]:
+        rows = await self._query("select_events_through_step", step=step, before=before)
         return [Event(**dict(r)) for r in rows]
 
     async def workunits_through(self, step: int) -> list[WorkUnit]:
@@ -252,7 +253,7 @@ class QueryStore(Store):
     async def panel_steps(self) -> dict[str, int]:
         return {r["panel"]: r["step"] for r in await self._query("select_panel_steps")}
 
-    async def purge(self, through_step: int) -> None:
+    async def purge(self, through_step: int, events_before: float = math.inf) -> None:
         step = [{"step": through_step}]
         await self._transaction(
             [
@@ -261,7 +262,7 @@ class QueryStore(Store):
                 ("delete_results_through_step", step),
                 ("delete_workunits_through_step", step),
                 ("delete_gemms_through_step", step),
-                ("delete_events_through_step", step),
+                ("delete_events_through_step", [{"step": through_step, "before": events_before}]),
             ]
         )
 

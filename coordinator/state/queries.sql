@@ -227,7 +227,7 @@ WHERE kind = :kind AND state IN (SELECT value FROM json_each(:states))
 ORDER BY id DESC LIMIT 1;
 
 -- name: select_events_through_step
-SELECT * FROM events WHERE step <= :step ORDER BY id;
+SELECT * FROM events WHERE step <= :step AND time < :before ORDER BY id;
 
 -- name: select_panel_steps
 SELECT panel, MAX(step) AS step FROM (
@@ -260,4 +260,4 @@ DELETE FROM workunits WHERE step <= :step;
 DELETE FROM gemms WHERE step <= :step;
 
 -- name: delete_events_through_step
-DELETE FROM events WHERE step <= :step;
+DELETE FROM events WHERE step <= :step AND time < :before;

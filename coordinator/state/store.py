@@ -8,6 +8,7 @@ leaves the server. On restart, `load()` returns what was committed.
 from __future__ import annotations
 
 import abc
+import math
 from dataclasses import dataclass, field
 
 from coordinator.work.events import Event
@@ -126,8 +127,9 @@ class Store(abc.ABC):
         the files on disk with nothing to delete them."""
 
     @abc.abstractmethod
-    async def events_through(self, step: int) -> list[Event]:
-        """The events of steps <= step, oldest first (what a purge would delete)."""
+    async def events_through(self, step: int, before: float = math.inf) -> list[Event]:
+        """The events of steps <= step logged before `before`, oldest first (what a purge
+        with those bounds would delete)."""
 
     @abc.abstractmethod
     async def workunits_through(self, step: int) -> list[WorkUnit]:
@@ -138,10 +140,10 @@ class Store(abc.ABC):
         """The newest step of the work units it holds that uses each operand panel."""
 
     @abc.abstractmethod
-    async def purge(self, through_step: int) -> None:
+    async def purge(self, through_step: int, events_before: float = math.inf) -> None:
         """Delete the GEMMs, work units, results and events of steps <= through_step (a
-        checkpoint made them useless), keeping the project's totals. All of it or, if the
-        process dies, none."""
+        checkpoint made them useless), keeping the project's totals; events logged since
+        `events_before` stay for a later purge. All of it or, if the process dies, none."""
 
     @abc.abstractmethod
     async def recent_events(self, kind: str, state: str, limit: int) -> list[Event]:

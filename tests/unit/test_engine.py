@@ -21,6 +21,7 @@ import pytest
 
 import kernels
 from coordinator.cli import serve
+from coordinator.engine import retention
 from coordinator.engine.config import CoordinatorConfig
 from coordinator.engine.coordinator import Coordinator
 from coordinator.rules.scheduler import SchedulerConfig
@@ -767,10 +768,14 @@ async def test_a_reply_promising_work_is_committed_after_the_window_not_by_the_n
             await pending
 
 
-async def test_a_checkpoint_purges_earlier_steps_and_archives_their_events(tmp_path, rng):
+@pytest.mark.parametrize("keep_recent", [False, True], ids=["a minute on", "at once"])
+async def test_a_checkpoint_purges_earlier_steps_and_archives_their_events(
+    tmp_path, rng, monkeypatch, keep_recent
+):
     """After a checkpoint the rows of the steps before the previous checkpoint go (the
     database stays bounded however long a project runs); their events go to
-    DIR/logs/events.jsonl.gz first, and the project's totals stay whole."""
+    DIR/logs/events.jsonl.gz first, and the project's totals stay whole. The last
+    minute's events stay for a later purge: status counts its tiles a second over them."""
     config = CoordinatorConfig(directory=tmp_path, tile=16, policy=Policy.QUORUM, seed=1)
     co = Coordinator(config, MemoryStore())
     await co.start()
@@ -784,6 +789,13 @@ async def test_a_checkpoint_purges_earlier_steps_and_archives_their_events(tmp_p
         totals = await co.store.workunit_counts()
         await co.retention.prune(1)  # rows are purged one checkpoint behind
         assert {w["step"] for w in co.store.tables["workunits"].values()} == {1, 2, 3}
+        if keep_recent:
+            await co.retention.prune(2)
+            assert {w["step"] for w in co.store.tables["workunits"].values()} == {2, 3}
+            assert await co.store.events_through(1)  # all of the last minute: kept
+            assert not (tmp_path / "logs" / "events.jsonl.gz").exists()  # nor archived yet
+            return
+        monkeypatch.setattr(retention, "RECENT_EVENTS", 0.0)  # as if a minute had passed
         await co.retention.prune(2)
     finally:
         stop.set()
