@@ -336,7 +336,8 @@ async def render(co: Coordinator, fragment: bool = False) -> str:
     rejected = (
         "".join(
             f"<tr><td class='l'>{time.strftime('%H:%M:%S', time.localtime(ev.time))}</td>"
-            f"<td>{ev.step}</td><td class='l'>{e(short_workunit_id(ev.wu_id or ''))}</td>"
+            f"<td>{'-' if ev.step is None else ev.step}</td>"
+            f"<td class='l'>{e(short_workunit_id(ev.wu_id or ''))}</td>"
             f"<td class='l'>{e(_name(co, ev.host_id))}</td>"
             f"<td class='l'>{e(ev.message)}</td></tr>"
             for ev in failures
