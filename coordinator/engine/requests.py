@@ -19,6 +19,7 @@ from coordinator.rules import trust
 from coordinator.rules.cooling import Cooling
 from coordinator.rules.scheduler import (
     Scheduler,
+    given_back,
     idle_delay,
     stale_panels,
     waits_for_the_loop,
@@ -28,7 +29,7 @@ from coordinator.state.ledger import Ledger
 from coordinator.state.store import Reply, Store
 from coordinator.work.events import Event
 from coordinator.work.protocol import Forbidden, WorkRequest, encode
-from coordinator.work.records import Host, Result, WorkUnit
+from coordinator.work.records import Host, Result, WorkUnit, WuState
 
 log = logging.getLogger(__name__)
 
@@ -189,6 +190,7 @@ class WorkRequests:
             # Nothing to plan: what it held it gave back before (a resend would be wrong).
             message = f"host {host.id} {host.name!r} stopped: not waited for until it asks again"
             log.info(message)
+            self._forgive_give_backs(host.id)
             self.ledger.log([Event(now, "host", "left", message, host_id=host.id)])
             return Answer(encode({"assignments": [], "abort": [], "bytes_saved": 0, "delay": 0}))
         if self.finished:
@@ -331,6 +333,17 @@ class WorkRequests:
                 inline[blob] = data
                 size += len(data)
         return inline
+
+    def _forgive_give_backs(self, host_id: int) -> None:
+        """A host that stops gives back what it held: when it returns (a restart) it may
+        take that work again, as after a timeout. A give-back within a session bars its host
+        from the replacement (rules/scheduler.py, takes_replacement); across a stop it left
+        a project with one volunteer, or a quorum whose other replica another host holds,
+        waiting for that work for ever (found by a review)."""
+        for result in [r for r in self.ledger.results.values() if r.host_id == host_id]:
+            wu = self.ledger.wus.get(result.wu_id)
+            if given_back(result) and wu is not None and wu.state is WuState.ACTIVE:
+                self.ledger.put_result(result.evolve(received_time=None))
 
     def _finished(self, host: Host, request: WorkRequest) -> Answer:
         """The answer once training is done: no work, ever; drop what you hold. The host

@@ -172,6 +172,15 @@ def takes_replacement(host: Host, wu: WorkUnit, siblings: list[Result]) -> bool:
     return all(timed_out(r) for r in mine)
 
 
+def given_back(result: Result) -> bool:
+    """Given back uncomputed by its host (`abandoned`): over, no reply, a received time."""
+    return (
+        result.server_state is ServerState.OVER
+        and result.outcome is Outcome.NO_REPLY
+        and result.received_time is not None
+    )
+
+
 def timed_out(result: Result) -> bool:
     """Missed its deadline; a result given back has its received time, a timed-out one none."""
     return (

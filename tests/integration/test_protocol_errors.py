@@ -333,3 +333,21 @@ async def test_a_volunteer_whose_registration_is_malformed_stops_instead_of_aski
         stop.set()
     assert volunteer.refused is not None and volunteer.refused.status == 400
     assert volunteer.state == "refused" and "printable" in volunteer.note
+
+
+async def test_a_volunteer_that_stops_and_starts_again_takes_back_the_work_it_gave_back(server):
+    """A volunteer that stops gives back what it holds, and says it leaves. Restarted, it
+    must be able to take that work again: a give-back barred its host from the
+    replacement, so a project with one volunteer waited for it for ever (a review: stuck
+    at step 17 of 200 after one Ctrl-C and restart)."""
+    co, url, (a, b, product) = server
+    async with CoordinatorClient(url) as alone:
+        await alone.register("alone")
+        held = (await alone.request_work("s1", capacity=64))["assignments"]
+        assert held
+        given = [{"result_id": h["result_id"], "abandoned": True} for h in held]
+        await alone.report(given)
+        await alone.request_work("s2", capacity=0, wait=False, leaving=True)
+        # the same volunteer, started again
+        again = (await alone.request_work("s3", capacity=64, wait=False))["assignments"]
+        assert {h["wu_id"] for h in again} >= {h["wu_id"] for h in held}
