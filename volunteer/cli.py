@@ -277,7 +277,7 @@ def _run(config: VolunteerConfig, state: StateDir, report: int | None) -> None:
 async def _serve(worker: Volunteer, state: StateDir, interactive: bool) -> None:
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
-    for sig in (signal.SIGINT, signal.SIGTERM):
+    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):  # SIGHUP: a closed terminal
         loop.add_signal_handler(sig, stop.set)
     reporter = asyncio.create_task(_report_status(worker, state, stop, interactive))
     try:

@@ -176,7 +176,8 @@ def test_one_volunteer_is_told_why_work_waits_and_a_finished_project_tells_them(
     assert "hosts: 0 active, 2 idle" in done  # told the project is finished, they stopped
 
 
-def test_a_volunteer_that_stops_is_not_waited_for(tmp_path, reaper):
+@pytest.mark.parametrize("stop_signal", [signal.SIGINT, signal.SIGHUP], ids=["ctrl-c", "hangup"])
+def test_a_volunteer_that_stops_is_not_waited_for(tmp_path, reaper, stop_signal):
     """Under quorum, the second of two volunteers stopping leaves the first with nobody to
     agree with: work waits for another volunteer, said at once, not once the stopped one has
     been silent for a minute."""
@@ -187,7 +188,7 @@ def test_a_volunteer_that_stops_is_not_waited_for(tmp_path, reaper):
     reaper(start_volunteer(url, tmp_path / "v0"))
     leaving = reaper(start_volunteer(url, tmp_path / "v1", "--name", "leaver"))
     poll(lambda: status_of(url)["training"]["step"] >= 1, what="a step done by both")
-    leaving.send_signal(signal.SIGINT)
+    leaving.send_signal(stop_signal)  # a hangup: its terminal was closed
     assert leaving.wait(60) == 0
     poll(
         lambda: (status_of(url).get("waiting") or {}).get("reason") == "needs_hosts",

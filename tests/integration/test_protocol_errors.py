@@ -340,7 +340,7 @@ async def test_a_volunteer_that_stops_and_starts_again_takes_back_the_work_it_ga
     must be able to take that work again: a give-back barred its host from the
     replacement, so a project with one volunteer waited for it for ever (a review: stuck
     at step 17 of 200 after one Ctrl-C and restart)."""
-    co, url, (a, b, product) = server
+    _, url, _ = server
     async with CoordinatorClient(url) as alone:
         await alone.register("alone")
         held = (await alone.request_work("s1", capacity=64))["assignments"]
