@@ -62,6 +62,20 @@ def write_direct(fd: int, view: memoryview) -> None:
         aligned.release()
 
 
+def sweep_temporary(folder: Path) -> int:
+    """Delete the temporary files of `write_atomic` in `folder` that a kill in the middle
+    of a write left (`.tmp-*`); returns how many. Only for the one process that writes
+    there (holding the project's lock), before it writes: another's would go too."""
+    swept = 0
+    for tmp in folder.glob(".tmp-*"):
+        try:
+            tmp.unlink()
+        except OSError:
+            continue  # gone already, or not a file: not ours to force
+        swept += 1
+    return swept
+
+
 def write_atomic(path: Path, data: bytes | memoryview) -> None:
     """After a crash the file is whole or absent: temp file, fsync, rename, fsync the dir."""
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".tmp-")
@@ -203,15 +217,8 @@ class BlobStore:
         (`.tmp-*`: never a blob, never read); returns how many. Only for the one process
         that writes this store (the coordinator, holding the project's lock), before it
         writes anything: another writer's temporary files would go too."""
-        swept = 0
-        for folder in (self.root, *(p for p in self.root.iterdir() if p.is_dir())):
-            for tmp in folder.glob(".tmp-*"):
-                try:
-                    tmp.unlink()
-                except OSError:
-                    continue  # gone already, or not a file: not ours to force
-                swept += 1
-        return swept
+        folders = (self.root, *(p for p in self.root.iterdir() if p.is_dir()))
+        return sum(sweep_temporary(folder) for folder in folders)
 
     def path(self, blob: str) -> Path:
         if not is_blob_id(blob):

@@ -38,20 +38,6 @@ def save(directory: Path, step: int, params: Params, state: AdamState) -> Path:
     return target
 
 
-def sweep(directory: Path) -> int:
-    """Delete the temporary files a kill in the middle of a save left (`.tmp-*`, never a
-    checkpoint); returns how many. Only for the project's one writer, holding its lock,
-    before it saves anything."""
-    swept = 0
-    for tmp in directory.glob(".tmp-*"):
-        try:
-            tmp.unlink()
-        except OSError:
-            continue  # gone already, or not a file: not ours to force
-        swept += 1
-    return swept
-
-
 def latest(directory: Path) -> int | None:
     steps = [int(m.group(1)) for p in directory.glob("step-*.npz") if (m := NAME.fullmatch(p.name))]
     return max(steps, default=None)

@@ -18,6 +18,7 @@ from pathlib import Path
 import numpy as np
 
 import kernels
+from coordinator.state.blobs import sweep_temporary
 from coordinator.training import checkpoints
 from coordinator.training.corpus import Corpus
 from coordinator.training.corpus import load as load_corpus
@@ -97,7 +98,7 @@ class Trainer:
     def resume(self) -> tuple[int, Params, AdamState]:
         """The last checkpoint, or fresh weights at step 0."""
         names = list(init_params(self.project.model, self.project.training.seed))
-        if checkpoints.sweep(self.project.checkpoints):
+        if self.project.checkpoints.is_dir() and sweep_temporary(self.project.checkpoints):
             log.info("removed the temporary files of a checkpoint a stop interrupted")
         done = checkpoints.latest(self.project.checkpoints)
         if done is None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import threading
 import time
 
@@ -61,15 +62,23 @@ async def test_the_admin_token_pauses_resumes_and_quarantines(tmp_path, rng):
         assert [e.state for e in events] == ["paused", "resumed"]
 
 
+@contextlib.asynccontextmanager
+async def a_tile_of_step_3_held(co, queue, url: str, a, b):
+    """A product of step 3 in flight, and a registered host holding one of its tiles:
+    (the product, the host's client, its assignments)."""
+    product = asyncio.ensure_future(queue.matmul(a, b, step=3, label="w"))
+    await wait_until(lambda: co.ledger.unsent)
+    async with CoordinatorClient(url) as client:
+        await client.register("h")
+        held = (await client.request_work("r1", capacity=1))["assignments"]
+        yield product, client, held
+
+
 async def test_cancelling_a_step_aborts_its_work_and_a_restart_runs_it_again(tmp_path, rng):
     a, b = operands(rng, 32, 32, 8, False, False)
     async with running(tmp_path, tile=16) as (co, queue, url):
         token = (tmp_path / "project" / "admin.token").read_text().strip()
-        product = asyncio.ensure_future(queue.matmul(a, b, step=3, label="w"))
-        await wait_until(lambda: co.ledger.unsent)
-        async with CoordinatorClient(url) as client:
-            await client.register("h")
-            held = (await client.request_work("r1", capacity=1))["assignments"]
+        async with a_tile_of_step_3_held(co, queue, url, a, b) as (product, client, held):
             assert (await admin(client, "/v1/admin/steps/3/cancel", client.token))[0] == 401
             assert (await admin(client, "/v1/admin/steps/x/cancel", token))[0] == 400
             # a digit of another script is no step number (int() would read it as 3)
@@ -366,11 +375,8 @@ async def test_a_late_report_of_a_cancelled_step_purged_since_is_not_written_bac
     a, b = operands(rng, 32, 32, 8, False, False)
     async with running(tmp_path, tile=16) as (co, queue, url):
         token = (tmp_path / "project" / "admin.token").read_text().strip()
-        product = asyncio.ensure_future(queue.matmul(a, b, step=3, label="w"))
-        await wait_until(lambda: co.ledger.unsent)
-        async with CoordinatorClient(url) as client:
-            await client.register("h")
-            (held,) = (await client.request_work("r1", capacity=1))["assignments"]
+        async with a_tile_of_step_3_held(co, queue, url, a, b) as (product, client, tiles):
+            (held,) = tiles
             tile_a = await client.fetch_blob(held["a"], max_bytes=1 << 20)
             tile_b = await client.fetch_blob(held["b"], max_bytes=1 << 20)
             _, tile = compute_tile(held, tile_a, tile_b)
