@@ -261,7 +261,7 @@ class CoordinatorClient:
             message["gflops"] = gflops
         if round_trip is not None:
             message["round_trip"] = round_trip
-        return await self._post("/v1/work", message)
+        return checked_answer(await self._post("/v1/work", message))
 
     async def fetch_blob(self, blob_id: str, *, max_bytes: int) -> frames.Buffer:
         """The blob's bytes, verified against its id (kernels.BlobMismatchError if not)."""
@@ -313,6 +313,39 @@ async def in_pieces(parts: list[bytes | memoryview]) -> AsyncIterator[memoryview
         view = memoryview(part).cast("B")
         for start in range(0, len(view), PIECE_BYTES):
             yield view[start : start + PIECE_BYTES]
+
+
+# The fields of an assignment the volunteer reads, and what each must be.
+ASSIGNMENT_FIELDS = {
+    "result_id": str,
+    "a": str,
+    "b": str,
+    "m": int,
+    "n": int,
+    "k": int,
+    "a_bytes": int,
+    "b_bytes": int,
+    "trans_a": bool,
+    "trans_b": bool,
+    "upload": str,
+    "deadline_in": (int, float),
+}
+
+
+def checked_answer(reply: dict[str, Any]) -> dict[str, Any]:
+    """A work answer whose assignments hold what the volunteer reads, or ValueError (a
+    reply that does not parse as the protocol says: retried after the backoff, never a
+    crash). A proxy or another program answering in msgpack could send anything."""
+    assignments = reply.get("assignments")
+    if not isinstance(assignments, list) or not isinstance(reply.get("abort", []), list):
+        raise ValueError("the work answer has no list of assignments")
+    for assignment in assignments:
+        if not isinstance(assignment, dict):
+            raise ValueError("a work answer's assignment is not a map")
+        for field, kind in ASSIGNMENT_FIELDS.items():
+            if not isinstance(assignment.get(field), kind):
+                raise ValueError(f"a work answer's assignment lacks a valid {field!r}")
+    return reply
 
 
 async def read_into(stream: aiohttp.StreamReader, size: int) -> memoryview:
