@@ -86,9 +86,14 @@ def tilehive(
 
 
 @contextlib.contextmanager
-def following(*args: str) -> Iterator[subprocess.Popen]:
+def following(*args: str, ignore_sigint: bool = False) -> Iterator[subprocess.Popen]:
     """`tilehive ARGS` that runs until stopped (`logs ... --follow`), its stdout and stderr
-    piped for the test to read; killed at the end."""
+    piped for the test to read; killed at the end. `ignore_sigint`: started as a
+    background job of a script is, with SIGINT ignored."""
+
+    def ignoring() -> None:
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+
     process = subprocess.Popen(
         [sys.executable, "-m", "coordinator.cli", *args],
         stdout=subprocess.PIPE,
@@ -96,6 +101,7 @@ def following(*args: str) -> Iterator[subprocess.Popen]:
         text=True,
         cwd=ROOT,
         env=ENV,
+        preexec_fn=ignoring if ignore_sigint else None,
     )
     try:
         yield process

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import shlex
+import signal
 import sys
 import time
 from pathlib import Path
@@ -281,6 +282,9 @@ def train(directory: Path, local: bool, steps: int | None, threads: int) -> None
         lock.acquire("train --local")
         done = checkpoints.latest(project.checkpoints) or 0
         click.echo(local_plan(done, steps, project.training.steps))
+        # Ctrl-C stops it even when it was started with SIGINT ignored (a background job of
+        # a script): Python then installs no handler, and asyncio.run none either.
+        signal.signal(signal.SIGINT, signal.default_int_handler)
         try:
             asyncio.run(trainer.run(until=steps, on_step=show))
         except KeyboardInterrupt:

@@ -94,7 +94,8 @@ def test_train_local_says_what_it_will_do_and_how_to_go_on_after_ctrl_c(tmp_path
     ), said
     long = tmp_path / "long"
     projects.create(long, **{**SMALL, "training.steps": 100_000, "training.checkpoint_every": 1})
-    with following("train", str(long), "--local") as run:
+    # Started with SIGINT ignored, as a script's background job is (and CI may be).
+    with following("train", str(long), "--local", ignore_sigint=True) as run:
         assert run.stdout.readline().startswith("starting at step 1")
         assert run.stdout.readline().startswith("step 1/100000")
         run.send_signal(signal.SIGINT)
