@@ -25,6 +25,10 @@ ACCEPT = f"{frames.CONTENT_TYPE}, {CONTENT_TYPE}"  # framed answers preferred
 # arrive. A whole write has its unsent rest copied into fresh memory, a read's chunks are
 # joined again: on loopback both cost 3x the time (benchmarks/transfer.py).
 PIECE_BYTES = 1 << 20
+# A call is given its timeout and a second more for each MIN_RATE bytes its body and its
+# reply carry: a large report over a slow uplink arrives, as the coordinator allows it to
+# (body_min_rate, the same 16 KiB/s), and so do panels over a slow downlink.
+MIN_RATE = 16 << 10
 BAD_REPLY = "bad_reply"  # a busy or failing server's reply that is not msgpack (a proxy's)
 # 5xx that say the server does not speak the request (501 Not Implemented: a POST to a
 # static file server; 505: HTTP Version Not Supported): never a coordinator that is down.
@@ -83,7 +87,10 @@ class CoordinatorClient:
         self.token = token
         self._session = session
         self._own_session = session is None
-        self._timeout = aiohttp.ClientTimeout(total=timeout)
+        self.timeout = timeout
+        # Each call has a deadline by the bytes it moves (allowed), not one total: a call
+        # moving megabytes over a slow link takes minutes and is still on its way.
+        self._timeout = aiohttp.ClientTimeout(sock_connect=timeout)
         # The coordinator answered in frames (kernels/frames.py): it reads them too, and
         # reports go framed, their tiles uncopied. Until then, plain msgpack.
         self.frames = False
@@ -151,6 +158,14 @@ class CoordinatorClient:
             self._leave_local(exc)
         return await attempt()
 
+    def allowed(self, nbytes: int) -> float:
+        """Seconds a call that moves `nbytes` one way may take."""
+        return self.timeout + nbytes / MIN_RATE
+
+    @staticmethod
+    def _from_now(seconds: float) -> float:
+        return asyncio.get_running_loop().time() + seconds
+
     def _headers(self) -> dict[str, str]:
         headers = {"Content-Type": CONTENT_TYPE, "Accept": ACCEPT}
         if self.token:
@@ -175,8 +190,12 @@ class CoordinatorClient:
         if len(parts) > 1 or size >= PIECE_BYTES:  # a report of tiles
             data = in_pieces(parts)
             headers["Content-Length"] = str(size)
-        async with self.session.post(self.url + path, data=data, headers=headers) as resp:
+        async with (
+            asyncio.timeout(self.allowed(size)) as deadline,
+            self.session.post(self.url + path, data=data, headers=headers) as resp,
+        ):
             size = resp.content_length
+            deadline.reschedule(self._from_now(self.allowed(size or 0)))
             if size is not None and resp.status < 400 and resp.content_type == frames.CONTENT_TYPE:
                 self.frames = True
                 return await read_framed(resp.content, size, f"POST {path}")
@@ -269,12 +288,14 @@ class CoordinatorClient:
 
     async def _fetch_blob_once(self, blob_id: str, max_bytes: int) -> frames.Buffer:
         too_large = f"blob over {max_bytes} bytes"
-        async with self.session.get(
-            f"{self.url}/v1/blobs/{blob_id}", headers=self._headers()
-        ) as resp:
+        async with (
+            asyncio.timeout(self.timeout) as deadline,
+            self.session.get(f"{self.url}/v1/blobs/{blob_id}", headers=self._headers()) as resp,
+        ):
             if resp.status >= 400:
                 self._decode(resp, await resp.read(), "GET /v1/blobs")
             size = resp.content_length
+            deadline.reschedule(self._from_now(self.allowed(min(size or max_bytes, max_bytes))))
             if size is not None:
                 if size > max_bytes:
                     raise ServerRefused(resp.status, "too_large", too_large)

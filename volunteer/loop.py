@@ -41,7 +41,14 @@ from volunteer.policy import (
     time_to_ask,
     work_budget_mb,
 )
-from volunteer.session import NETWORK, TRANSIENT, CoordinatorSession, ProjectFinished, wait
+from volunteer.session import (
+    NETWORK,
+    TRANSIENT,
+    CoordinatorSession,
+    ProjectFinished,
+    Stopping,
+    wait,
+)
 
 log = logging.getLogger(__name__)
 
@@ -704,8 +711,8 @@ class PullLoop(CoordinatorSession):
         except asyncio.CancelledError:
             if asyncio.current_task().cancelling():
                 raise  # leave() itself is being cancelled, not just the request
-        except ProjectFinished:
-            pass  # nothing more was assigned
+        except (ProjectFinished, Stopping):
+            pass  # nothing more was assigned, or nothing this host will ever know of
         except Exception as exc:  # failed on the way: nothing to give back
             if graceful:
                 self._failed("work", exc)

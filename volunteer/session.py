@@ -46,6 +46,21 @@ class ProjectFinished(Exception):
     """The coordinator says its project is finished: no more work will come, stop asking."""
 
 
+class Stopping(Exception):
+    """A call still on its way STOP_GRACE seconds after a stop was cut off (`endpoint`)."""
+
+    def __init__(self, endpoint: str) -> None:
+        super().__init__(f"the {endpoint} call in flight was cut off by a stop")
+        self.endpoint = endpoint
+
+
+# Seconds a stop waits for the session's call in flight before cutting it off: longer
+# than a long poll (the coordinator's long_poll, 2 s), far shorter than a large report
+# over a slow uplink, which may take minutes (client.MIN_RATE) and is sent again, or
+# given up, as the session ends (PullLoop.leave).
+STOP_GRACE = 3.0
+
+
 class CoordinatorSession:
     """Cycles of work through `client` until stopped; subclasses supply `_cycle` and
     `_identify`, and may put their own network under `_request`."""
@@ -64,6 +79,8 @@ class CoordinatorSession:
         self.state = "starting"
         self.note = ""  # what the volunteer is doing or waiting for
         self.heard = False  # a coordinator has answered at the URL, in its own words
+        self._calls: set[asyncio.Task] = set()  # tasks with a call on its way
+        self._cut: set[asyncio.Task] = set()  # those whose call a stop cut off
 
     async def _cycle(self, stop: asyncio.Event) -> None:
         """One round of work."""
@@ -94,6 +111,22 @@ class CoordinatorSession:
         """Work until `stop` is set or the monotonic time `until`. Raises Quarantined, or
         ProjectFinished when the coordinator says there will be no more work, and
         NotACoordinator before a coordinator has answered."""
+        cutter = asyncio.ensure_future(self._cut_off_on(stop))
+        try:
+            await self._cycles(stop, until)
+        finally:
+            cutter.cancel()
+
+    async def _cut_off_on(self, stop: asyncio.Event) -> None:
+        """After a stop, cut off the calls still on their way (the session's, or a work
+        request it sent ahead), so that the session can end and leave."""
+        await stop.wait()
+        await asyncio.sleep(STOP_GRACE)
+        for task in self._calls - self._cut:
+            self._cut.add(task)
+            task.cancel()
+
+    async def _cycles(self, stop: asyncio.Event, until: float) -> None:
         while not stop.is_set() and time.monotonic() < until:
             endpoint = "register"
             try:
@@ -101,6 +134,8 @@ class CoordinatorSession:
                     await self._identify()
                 endpoint = "work"
                 await self._cycle(stop)
+            except Stopping as exc:
+                self.log.info("stopping: %s", exc)
             except ProjectFinished as exc:
                 self.state = "finished"
                 self.note = "project finished"
@@ -133,8 +168,17 @@ class CoordinatorSession:
         raise NotACoordinator(why) from exc
 
     async def _call(self, endpoint: str, call: Callable[[], Awaitable[T]], *, up: int = 0) -> T:
+        task = asyncio.current_task()
+        assert task is not None
+        self._calls.add(task)
         try:
             reply = await self._request(endpoint, call, up)
+        except asyncio.CancelledError:
+            if task not in self._cut:
+                raise
+            self._cut.discard(task)
+            task.uncancel()
+            raise Stopping(endpoint) from None
         except ServerRefused as exc:
             exc.endpoint = endpoint  # the call that failed, wherever the error surfaces
             self.heard = self.heard or exc.code not in (NOT_TILEHIVE, BAD_REPLY)
@@ -142,6 +186,8 @@ class CoordinatorSession:
         except Exception as exc:
             exc.endpoint = endpoint
             raise
+        finally:
+            self._calls.discard(task)
         self.heard = True
         return reply
 

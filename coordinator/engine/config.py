@@ -54,7 +54,10 @@ class CoordinatorConfig:
     trust: trust.TrustConfig = field(default_factory=trust.TrustConfig)
     seed: int | None = None  # scheduler randomness (adaptive replication); None: from the OS
     access: AccessConfig = field(default_factory=AccessConfig)
-    body_timeout: float = 60.0  # seconds a client may take to send a request body
+    # A request body may take body_timeout seconds, and one more for each body_min_rate
+    # bytes that have arrived: 16 KiB/s is a 128 kbit/s uplink, slower than a phone's.
+    body_timeout: float = 60.0
+    body_min_rate: float = 16 << 10
     # Seconds a connection may go without a complete request line and headers, from its
     # start or the end of the previous reply (slowloris); it is also the idle keep-alive.
     header_timeout: float = 20.0

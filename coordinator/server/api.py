@@ -126,17 +126,19 @@ async def read_body(request: web.Request, limit: int) -> dict:
         )
     if request.content_length is not None and request.content_length > limit:
         raise TooLarge(f"body of {request.content_length} bytes exceeds the limit of {limit}")
-    timeout = request.app[COORDINATOR].config.body_timeout
+    config = request.app[COORDINATOR].config
+    clock = BodyClock(config.body_timeout, config.body_min_rate)
     try:
-        async with asyncio.timeout(timeout):
+        async with asyncio.timeout_at(clock.deadline(0)) as timer:
+            arrived = clock.extender(timer)
             if request.content_length is not None:
                 # One buffer of the announced size: a report of tiles is megabytes, and
                 # growing or joining buffers copies it again on the event loop.
-                body = await read_into(request.content, request.content_length)
+                body = await read_into(request.content, request.content_length, arrived)
             else:
-                body = await read_chunked(request.content, limit)
+                body = await read_chunked(request.content, limit, arrived)
     except TimeoutError as exc:
-        raise RequestTimeout(f"the body did not arrive within {timeout:g} seconds") from exc
+        raise RequestTimeout(f"the body did not arrive in time: {clock.said()}") from exc
     except (ConnectionError, aiohttp.ClientPayloadError, aiohttp.http.HttpProcessingError) as exc:
         # The client hung up or broke the framing mid-body: one log line, nothing applied.
         # The stream keeps this exception, and its traceback the frames that were reading
@@ -149,9 +151,52 @@ async def read_body(request: web.Request, limit: int) -> dict:
     return protocol.decode(body, limit)
 
 
-async def read_into(stream: aiohttp.StreamReader, size: int) -> memoryview:
+class BodyClock:
+    """How long a request body may take to arrive: `grace` seconds, and one second more
+    for each `min_rate` bytes that have arrived. A report from a slow uplink gets through
+    however large it is; a client that drips a body to hold a connection and its buffer
+    (slowloris) is cut off once it falls below the rate."""
+
+    def __init__(self, grace: float, min_rate: float) -> None:
+        self.grace = grace
+        self.min_rate = min_rate
+        self.step = min(1.0, grace / 4)
+        self.started = asyncio.get_running_loop().time()
+        self.got = 0
+
+    def deadline(self, got: int) -> float:
+        """The loop time by which the body must be complete, `got` bytes of it arrived."""
+        return self.started + self.grace + got / self.min_rate
+
+    def extender(self, timer: asyncio.Timeout) -> Callable[[int], None]:
+        """What a reader calls with the bytes arrived so far, to push `timer` out."""
+
+        def arrived(got: int) -> None:
+            self.got = got
+            deadline = self.deadline(got)
+            when = timer.when()
+            # A step at a time: a body comes in hundreds of chunks, and each move is a
+            # timer in the loop's heap. The step is a share of the grace, so the timer
+            # is never further behind than the grace covers.
+            if when is None or deadline - when >= self.step:
+                timer.reschedule(deadline)
+
+        return arrived
+
+    def said(self) -> str:
+        """Why a body was cut off, for its 408."""
+        return (
+            f"{self.got} bytes in {asyncio.get_running_loop().time() - self.started:.0f} "
+            f"seconds, slower than {self.min_rate:g} bytes a second after the first "
+            f"{self.grace:g}"
+        )
+
+
+async def read_into(
+    stream: aiohttp.StreamReader, size: int, arrived: Callable[[int], None] | None = None
+) -> memoryview:
     """Exactly `size` bytes of a body, each chunk copied once into one buffer as it arrives
-    (BadRequest if the body ends first)."""
+    (BadRequest if the body ends first); `arrived(bytes so far)` after each chunk."""
     view = frames.body_buffer(size)
     got = 0
     while got < size:
@@ -163,16 +208,22 @@ async def read_into(stream: aiohttp.StreamReader, size: int) -> memoryview:
         end = min(size, got + len(chunk))
         view[got:end] = chunk[: end - got]
         got = end
+        if arrived is not None:
+            arrived(got)
     return view
 
 
-async def read_chunked(stream: aiohttp.StreamReader, limit: int) -> bytearray:
+async def read_chunked(
+    stream: aiohttp.StreamReader, limit: int, arrived: Callable[[int], None] | None = None
+) -> bytearray:
     """A body of no announced length, refused once it grows past `limit`."""
     body = bytearray()
     while chunk := await stream.read(1 << 16):
         body += chunk
         if len(body) > limit:
             raise TooLarge(f"body exceeds the limit of {limit} bytes")
+        if arrived is not None:
+            arrived(len(body))
     return body
 
 

@@ -281,6 +281,50 @@ async def test_a_client_that_stalls_its_body_gets_408(tmp_path):
         await writer.wait_closed()
 
 
+async def report_paced(url: str, token: str, body: bytes, piece: int, every: float) -> bytes:
+    """POST /v1/results with `body` sent `piece` bytes at a time, one piece each `every`
+    seconds (a slow uplink's pace); the reply's status line, or b"" if the server hung up
+    before the body was through."""
+    host, port = url.removeprefix("http://").split(":")
+    reader, writer = await asyncio.open_connection(host, int(port))
+    writer.write(
+        b"POST /v1/results HTTP/1.1\r\nHost: x\r\nContent-Type: application/msgpack\r\n"
+        + f"Authorization: Bearer {token}\r\nContent-Length: {len(body)}\r\n\r\n".encode()
+    )
+    try:
+        for start in range(0, len(body), piece):
+            writer.write(body[start : start + piece])
+            await writer.drain()
+            if reader.at_eof() or reader._buffer:  # answered (or cut off) before the end
+                break
+            await asyncio.sleep(every)  # the uplink's pace, not a wait for anything
+        return await asyncio.wait_for(reader.readline(), 10)
+    except ConnectionError:
+        return b""
+    finally:
+        writer.close()
+        with contextlib.suppress(ConnectionError):
+            await writer.wait_closed()
+
+
+async def test_a_body_from_a_slow_uplink_arrives_however_long_it_takes(tmp_path):
+    """A body may take body_timeout, and a second more for each body_min_rate bytes: a
+    large report over a slow uplink is not cut off for taking longer than body_timeout,
+    while a client slower than the rate is."""
+    # A tile of 30 KB for a result this coordinator never issued: once the body is in,
+    # the answer is that it does not know it.
+    tile = {"result_id": "0" * 32, "hash": "0" * 64, "tile": b"x" * 30_000}
+    body = msgpack.packb({"results": [tile]})
+    async with running(tmp_path, body_timeout=0.3, body_min_rate=20_000) as (_, _, url):
+        async with CoordinatorClient(url) as client:
+            await client.register("slow")
+            token = client.token
+        # about 50 KB/s: twice the rate, and about 0.6 s in all, twice the grace
+        assert b" 404 " in await report_paced(url, token, body, 1_000, 0.02)
+        # about 5 KB/s: a quarter of the rate
+        assert b" 408 " in await report_paced(url, token, body, 1_000, 0.2)
+
+
 async def test_a_client_that_trickles_its_headers_is_disconnected(tmp_path):
     """Slowloris: a byte of header every 0.05 s never completes a request; the connection is
     dropped once header_timeout has passed, and the server goes on serving others."""

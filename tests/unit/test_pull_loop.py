@@ -10,6 +10,7 @@ from typing import Any
 import numpy as np
 
 import kernels
+from volunteer import session as session_module
 from volunteer.backoff import Backoff
 from volunteer.cache import BlobCache
 from volunteer.client import compute_tile
@@ -358,3 +359,35 @@ async def test_a_session_ending_while_a_tile_waits_for_its_operands_gives_it_bac
     loop.cancel()
     await asyncio.gather(*fetching, return_exceptions=True)
     assert cache.pinned_bytes == 0
+
+
+class ReportsNeverArrive(NothingAfterTwoTiles):
+    """A coordinator whose every report hangs on its way (a slow uplink, a stalled link)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.reporting = asyncio.Event()
+
+    async def report(self, batch: list[dict[str, Any]], work: dict | None) -> dict[str, Any]:
+        self.reporting.set()
+        await asyncio.Event().wait()  # never answered
+        raise AssertionError("unreachable")
+
+
+async def test_a_stop_cuts_off_a_report_still_on_its_way(monkeypatch):
+    """Stopped while a report is on its way, the session ends STOP_GRACE later, not when
+    the report arrives (minutes, over a slow uplink): the call is cut off and its results
+    are kept, to be sent again or given up as the volunteer leaves."""
+    monkeypatch.setattr(session_module, "STOP_GRACE", 0.05)
+    coordinator = ReportsNeverArrive()
+    loop = SlowTiles(coordinator, name="v", cache=BlobCache(1 << 20), gflops=1e-6)  # type: ignore[arg-type]
+    stop = asyncio.Event()
+    session = asyncio.ensure_future(loop.session(stop))
+    await asyncio.wait_for(coordinator.reporting.wait(), timeout=10.0)
+    stop.set()
+    await asyncio.wait_for(session, timeout=10.0)  # before: for ever
+    reported = [r["result_id"] for r in loop.pending]
+    assert reported and set(reported) <= {"r0", "r1"}
+    assert not loop.sending
+    await loop.leave(graceful=True, timeout=0.05)  # its reports hang again: given up
+    assert loop.stats.vanished >= len(reported)
