@@ -48,8 +48,10 @@ class ServerRefused(Exception):
 
     @property
     def retriable(self) -> bool:
-        """Worth sending again later: the server was busy or slow, not the request wrong."""
-        return self.status >= 500 or self.status in (408, 429)
+        """Worth sending again later: the server was busy or slow, not the request wrong;
+        or the reply was not the coordinator's word at all (a proxy's or a captive
+        portal's page, which says nothing of what the coordinator would make of it)."""
+        return self.status >= 500 or self.status in (408, 429) or self.code == NOT_TILEHIVE
 
 
 class LocalConnector(aiohttp.UnixConnector):

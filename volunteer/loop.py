@@ -20,7 +20,7 @@ import secrets
 import time
 from collections import deque
 from collections.abc import Awaitable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Protocol
 
 import kernels
@@ -29,6 +29,7 @@ from volunteer.backoff import Backoff
 from volunteer.cache import Downloads
 from volunteer.client import CoordinatorClient, ServerRefused
 from volunteer.policy import (
+    CORRUPT_FETCHES,
     MAX_CACHED_IDS,
     MAX_CAPACITY,
     UNSIZED_BLOB,
@@ -101,6 +102,7 @@ class Job:
     deadline: float
     operands: asyncio.Future | None = None
     pinned: tuple[str, ...] = ()
+    corrupt: int = 0  # its operands' downloads that did not match their names
 
 
 class PullLoop(CoordinatorSession):
@@ -508,6 +510,11 @@ class PullLoop(CoordinatorSession):
                 self.aborted.discard(result_id)
                 return None
             if isinstance(exc, kernels.BlobMismatchError):
+                if job.corrupt + 1 < CORRUPT_FETCHES:
+                    # Bytes mangled on the way (a proxy's page with a 200, a broken link)
+                    # say nothing of this host: fetched again after the session's backoff.
+                    self.queue.appendleft(replace(job, operands=None, corrupt=job.corrupt + 1))
+                    raise
                 self._failed("blob", exc)
                 self.log.error("refusing %s: operand blob is corrupt: %s", result_id, exc)
                 self.pending.append({"result_id": result_id, "error": f"corrupt blob: {exc}"})

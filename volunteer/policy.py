@@ -18,6 +18,9 @@ MAX_CACHED_IDS = 4096  # the protocol's limit on a work request's `cached`
 UNSIZED_BLOB = 64 * MB  # the download limit of an operand whose size the assignment omits
 QUEUE_SECONDS = 2.0  # the work a host asks for, in seconds of its own compute
 INLINE_SECONDS = 0.002  # a tile expected to compute in less runs on the event loop
+# Downloads of a tile's operands that may not match their names before the tile is
+# reported as an error (which costs this host trust): the first are the network's fault.
+CORRUPT_FETCHES = 3
 
 
 def time_to_ask(queued: int, capacity: int, short: bool = False) -> bool:

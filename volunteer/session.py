@@ -153,7 +153,7 @@ class CoordinatorSession:
                 self.state = "offline"
                 what = (
                     "a reply from the coordinator broke off or was malformed"
-                    if isinstance(exc, aiohttp.ClientPayloadError)
+                    if isinstance(exc, (aiohttp.ClientPayloadError, ValueError))
                     else "cannot reach coordinator"
                 )
                 self.note = f"{what} ({type(exc).__name__}); retry in {delay:.1f}s"
@@ -193,12 +193,15 @@ class CoordinatorSession:
 
     async def _refused(self, endpoint: str, exc: ServerRefused, stop: asyncio.Event) -> None:
         # A registration found malformed (a name the coordinator does not take) is refused
-        # the same way every time: asking again would never end.
-        if exc.status == 403 or (exc.status == 400 and endpoint == "register"):
+        # the same way every time: asking again would never end. Only the coordinator's
+        # own word ends the session or drops the token: a proxy's 403 or 401 page (once a
+        # coordinator has answered at the URL) is retried like its 502.
+        said = exc.code not in (NOT_TILEHIVE, BAD_REPLY)
+        if said and (exc.status == 403 or (exc.status == 400 and endpoint == "register")):
             self._quarantined(endpoint, exc)
             raise Quarantined(exc) from exc
         self._failed(endpoint, exc)
-        if exc.status == 401:
+        if said and exc.status == 401:
             self.log.warning(
                 "the coordinator does not know our token (%s); registering again", exc.message
             )
@@ -206,7 +209,9 @@ class CoordinatorSession:
             self.client.token = None
             return
         delay = self.backoff.next_delay(at_least=exc.retry_after)
-        self.note = f"coordinator said {exc.status} {exc.code}: {exc.message}"
+        self.note = (
+            f"coordinator said {exc.status} {exc.code}: {exc.message}" if said else exc.message
+        )
         self.log.warning("%s; retry in %.1fs", self.note, delay)
         await wait(stop, delay)
 

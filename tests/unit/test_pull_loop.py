@@ -8,12 +8,13 @@ from collections.abc import Callable
 from typing import Any
 
 import numpy as np
+import pytest
 
 import kernels
 from volunteer import session as session_module
 from volunteer.backoff import Backoff
 from volunteer.cache import BlobCache
-from volunteer.client import compute_tile
+from volunteer.client import NOT_TILEHIVE, ServerRefused, compute_tile
 from volunteer.loop import PullLoop
 
 
@@ -391,3 +392,106 @@ async def test_a_stop_cuts_off_a_report_still_on_its_way(monkeypatch):
     assert not loop.sending
     await loop.leave(graceful=True, timeout=0.05)  # its reports hang again: given up
     assert loop.stats.vanished >= len(reported)
+
+
+class MangledDownloads(NothingAfterTwoTiles):
+    """Its answers carry no operands, and its first `mangled` downloads arrive mangled on
+    the way (a proxy's page with a 200): they do not match their names."""
+
+    def __init__(self, mangled: int) -> None:
+        super().__init__()
+        self.mangled = mangled
+        self.fetches = 0
+        self.errors: list[str] = []  # results reported as errors
+
+    async def report(self, batch: list[dict[str, Any]], work: dict | None) -> dict[str, Any]:
+        self.errors += [r["result_id"] for r in batch if "error" in r]
+        return await super().report(batch, work)
+
+    async def request_work(self, request_id: str, **message: Any) -> dict[str, Any]:
+        answer = await super().request_work(request_id, **message)
+        return {**answer, "blobs": {}}
+
+    async def fetch_blob(self, blob_id: str, max_bytes: int) -> bytes:
+        self.fetches += 1
+        if self.fetches <= self.mangled:  # as the client checks what arrived
+            kernels.verify_blob(b"<html>sign in to the hotel wifi</html>", blob_id)
+        return self.blobs[blob_id]
+
+
+async def run_mangled(mangled: int) -> tuple[MangledDownloads, PullLoop]:
+    coordinator = MangledDownloads(mangled)
+    loop = SlowTiles(
+        coordinator,  # type: ignore[arg-type]
+        name="v",
+        cache=BlobCache(1 << 20),
+        backoff=Backoff(base=0.01, cap=0.01),
+        idle=Backoff(base=60.0, cap=60.0),
+    )
+    stop = asyncio.Event()
+    session = asyncio.ensure_future(loop.session(stop))
+    deadline = time.monotonic() + 10.0
+    while len(coordinator.reported) < 2 and time.monotonic() < deadline:
+        await asyncio.sleep(0.01)  # polling with a deadline
+    stop.set()
+    loop.cancel()
+    await asyncio.wait_for(session, timeout=10.0)
+    return coordinator, loop
+
+
+async def test_operands_mangled_on_the_way_are_fetched_again_not_blamed_on_the_host():
+    """Two mangled downloads of a tile's operands are the network's fault: fetched again
+    after the backoff, and the tiles are computed and reported, none as an error (an error
+    would cost the host trust)."""
+    coordinator, loop = await run_mangled(mangled=2)
+    assert set(coordinator.reported) == {"r0", "r1"}
+    assert coordinator.errors == [] and loop.stats.tiles == 2
+
+
+async def test_operands_that_never_match_are_reported_as_an_error():
+    """A tile whose operands arrive mangled CORRUPT_FETCHES times is reported as an error,
+    so the coordinator gives it to another host rather than this one retrying for ever."""
+    coordinator, loop = await run_mangled(mangled=1000)
+    assert sorted(coordinator.errors) == ["r0", "r1"] and loop.stats.tiles == 0
+
+
+class ProxyPages(NothingAfterTwoTiles):
+    """A proxy in front that answers the first `pages` reports with a page of its own
+    (`status`), never passing them on."""
+
+    def __init__(self, pages: int, status: int) -> None:
+        super().__init__()
+        self.pages = pages
+        self.status = status
+
+    async def report(self, batch: list[dict[str, Any]], work: dict | None) -> dict[str, Any]:
+        if self.pages:
+            self.pages -= 1
+            raise ServerRefused(self.status, NOT_TILEHIVE, "POST /v1/results answered text/html")
+        return await super().report(batch, work)
+
+
+@pytest.mark.parametrize("status", [200, 401, 403])
+async def test_a_proxys_page_in_answer_to_a_report_keeps_the_results(status):
+    """A page that is not the coordinator's word (a proxy's 200 page, its 403) neither
+    drops the report, whose tiles others would then compute again, nor ends the session or
+    drops the token as the coordinator's 403 or 401 would: the report is sent again after
+    the backoff."""
+    coordinator = ProxyPages(pages=2, status=status)
+    loop = SlowTiles(
+        coordinator,  # type: ignore[arg-type]
+        name="v",
+        cache=BlobCache(1 << 20),
+        backoff=Backoff(base=0.01, cap=0.01),
+        idle=Backoff(base=60.0, cap=60.0),
+    )
+    stop = asyncio.Event()
+    session = asyncio.ensure_future(loop.session(stop))
+    deadline = time.monotonic() + 10.0
+    while len(coordinator.reported) < 2 and time.monotonic() < deadline and not session.done():
+        await asyncio.sleep(0.01)  # polling with a deadline
+    stop.set()
+    loop.cancel()
+    await asyncio.wait_for(session, timeout=10.0)
+    assert set(coordinator.reported) == {"r0", "r1"}
+    assert loop.state != "refused" and coordinator.token == "token"
