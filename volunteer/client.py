@@ -6,6 +6,7 @@ import asyncio
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any, TypeVar
+from urllib.parse import urlsplit
 
 import aiohttp
 import msgpack
@@ -129,6 +130,9 @@ class CoordinatorClient:
             or not localsocket.is_name(name)
             or name in self._unreachable
             or not is_loopback_url(self.url)
+            # A coordinator under a path (a proxy on this machine serving it at /tilehive)
+            # serves no such prefix on its socket: every call there would be a 404.
+            or urlsplit(self.url).path.strip("/")
         ):
             return
         assert isinstance(name, str)

@@ -61,6 +61,7 @@ async def test_a_local_socket_that_is_gone_sends_the_client_back_to_tcp_for_good
         ("http://203.0.113.9:8470", localsocket.new_name()),  # another machine
         ("http://127.0.0.1:8470", "tilehive-../../etc"),  # not a name a coordinator draws
         ("http://127.0.0.1:8470", 7),
+        ("http://127.0.0.1:8080/tilehive", localsocket.new_name()),  # a proxy's sub-path
     ],
 )
 async def test_a_client_ignores_an_offer_it_cannot_trust(url, name):
