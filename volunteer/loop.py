@@ -235,6 +235,8 @@ class PullLoop(CoordinatorSession):
             else:
                 reply = await self._ask(room)
         if self.queue:
+            if self.state != "working":
+                self.note = ""  # what it waited for (the network, work) is over
             self.state = "working"
             self.backoff.reset()
             self.idle.reset()

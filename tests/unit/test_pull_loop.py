@@ -7,6 +7,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+import aiohttp
 import numpy as np
 import pytest
 
@@ -72,15 +73,19 @@ async def run_until(
     done: Callable[[], bool],
     kind: type[SlowTiles] = SlowTiles,
     cache: BlobCache | None = None,
+    **options: Any,
 ) -> Any:
-    """A volunteer's session (a `kind` of loop) against `coordinator` until `done()` (10 s at
-    most), then stopped; returns the loop."""
+    """A volunteer's session (a `kind` of loop, with `options`) against `coordinator` until
+    `done()` (10 s at most), then stopped; returns the loop."""
     loop = kind(
         coordinator,
         name="v",
         cache=cache or BlobCache(1 << 20),
-        gflops=1e-6,  # so every tile outlasts the round trips: it asks ahead
-        idle=Backoff(base=60.0, cap=60.0),
+        **{
+            "gflops": 1e-6,  # so every tile outlasts the round trips: it asks ahead
+            "idle": Backoff(base=60.0, cap=60.0),
+            **options,
+        },
     )
     stop = asyncio.Event()
     session = asyncio.ensure_future(loop.session(stop))
@@ -419,24 +424,15 @@ class MangledDownloads(NothingAfterTwoTiles):
         return self.blobs[blob_id]
 
 
+def quick() -> Backoff:
+    """A backoff quick to retry, as these tests' coordinators fail on purpose."""
+    return Backoff(base=0.01, cap=0.01)
+
+
 async def run_mangled(mangled: int) -> tuple[MangledDownloads, PullLoop]:
     coordinator = MangledDownloads(mangled)
-    loop = SlowTiles(
-        coordinator,  # type: ignore[arg-type]
-        name="v",
-        cache=BlobCache(1 << 20),
-        backoff=Backoff(base=0.01, cap=0.01),
-        idle=Backoff(base=60.0, cap=60.0),
-    )
-    stop = asyncio.Event()
-    session = asyncio.ensure_future(loop.session(stop))
-    deadline = time.monotonic() + 10.0
-    while len(coordinator.reported) < 2 and time.monotonic() < deadline:
-        await asyncio.sleep(0.01)  # polling with a deadline
-    stop.set()
-    loop.cancel()
-    await asyncio.wait_for(session, timeout=10.0)
-    return coordinator, loop
+    done = lambda: len(coordinator.reported) >= 2  # noqa: E731
+    return coordinator, await run_until(coordinator, done, gflops=0.0, backoff=quick())
 
 
 async def test_operands_mangled_on_the_way_are_fetched_again_not_blamed_on_the_host():
@@ -478,20 +474,35 @@ async def test_a_proxys_page_in_answer_to_a_report_keeps_the_results(status):
     drops the token as the coordinator's 403 or 401 would: the report is sent again after
     the backoff."""
     coordinator = ProxyPages(pages=2, status=status)
-    loop = SlowTiles(
-        coordinator,  # type: ignore[arg-type]
-        name="v",
-        cache=BlobCache(1 << 20),
-        backoff=Backoff(base=0.01, cap=0.01),
-        idle=Backoff(base=60.0, cap=60.0),
-    )
-    stop = asyncio.Event()
-    session = asyncio.ensure_future(loop.session(stop))
-    deadline = time.monotonic() + 10.0
-    while len(coordinator.reported) < 2 and time.monotonic() < deadline and not session.done():
-        await asyncio.sleep(0.01)  # polling with a deadline
-    stop.set()
-    loop.cancel()
-    await asyncio.wait_for(session, timeout=10.0)
+    done = lambda: len(coordinator.reported) >= 2  # noqa: E731
+    loop = await run_until(coordinator, done, gflops=0.0, backoff=quick())
     assert set(coordinator.reported) == {"r0", "r1"}
     assert loop.state != "refused" and coordinator.token == "token"
+
+
+class DownAtFirst(NothingAfterTwoTiles):
+    """Cannot be reached for its first `down` asks, then answers."""
+
+    def __init__(self, down: int) -> None:
+        super().__init__()
+        self.down = down
+
+    async def request_work(self, request_id: str, **message: Any) -> dict[str, Any]:
+        if self.down:
+            self.down -= 1
+            raise aiohttp.ClientConnectionError("connection refused")
+        return await super().request_work(request_id, **message)
+
+
+async def test_once_the_coordinator_is_back_the_status_note_no_longer_says_it_is_not():
+    coordinator = DownAtFirst(down=2)
+    notes: list[str] = []
+
+    class Noted(SlowTiles):
+        async def _kernel(self, assignment, a, b):
+            notes.append(self.note)  # what `volunteer status` would show while it computes
+            return await super()._kernel(assignment, a, b)
+
+    done = lambda: len(coordinator.reported) >= 2  # noqa: E731
+    loop = await run_until(coordinator, done, Noted, gflops=0.0, backoff=quick())
+    assert loop.stats.errors == 2 and notes == ["", ""]
