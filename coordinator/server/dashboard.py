@@ -57,9 +57,10 @@ function stale(why) {{
     + " (" + why + "): this page shows the last view it sent";
   banner.hidden = false;
 }}
+// Relative to this page: a proxy may serve the coordinator under a path.
 setInterval(async () => {{
   try {{
-    const reply = await fetch("/?fragment=1", {{ signal: AbortSignal.timeout({refresh}) }});
+    const reply = await fetch("?fragment=1", {{ signal: AbortSignal.timeout({refresh}) }});
     if (!reply.ok) {{ stale("HTTP " + reply.status); return; }}
     document.getElementById("live").innerHTML = await reply.text();
     lastSeen = new Date();

@@ -14,6 +14,7 @@ import urllib.request
 
 import aiohttp
 import pytest
+from aiohttp import web
 
 from coordinator.training import project as projects
 from tests.factories import SMALL, operands
@@ -83,9 +84,50 @@ async def test_a_page_whose_coordinator_is_gone_says_so(worked, tmp_path):
     page = await browse(
         copy.as_uri(), tmp_path / "chrome", "--virtual-time-budget=6000", "--allow-file-access"
     )
-    assert "coordinator unreachable since" in page
-    assert "this page shows the last view it sent" in page
+    shown = '<div id="stale" class="banner unreachable">coordinator unreachable since'
+    assert shown in page  # the banner, not the script's words for it
+    assert "this page shows the last view it sent</div>" in page
     assert 'id="hosts"' in page  # the last view stays
+
+
+@contextlib.asynccontextmanager
+async def under_a_path(url: str, prefix: str, asked: list[str]):
+    """A reverse proxy serving the coordinator at `url` under `prefix` (as the docs' TLS
+    proxy may, /tilehive/ beside other sites); yields the proxy's URL of the dashboard.
+    What it forwards is appended to `asked`."""
+
+    async def forward(request: web.Request) -> web.Response:
+        asked.append(request.path_qs)
+        target = url + "/" + request.match_info["tail"]
+        async with (
+            aiohttp.ClientSession() as session,
+            session.get(target, params=request.query) as reply,
+        ):
+            body = await reply.read()
+            return web.Response(body=body, status=reply.status, content_type=reply.content_type)
+
+    app = web.Application()
+    app.router.add_get(prefix + "/{tail:.*}", forward)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    port = runner.addresses[0][1]
+    try:
+        yield f"http://127.0.0.1:{port}{prefix}/"
+    finally:
+        await runner.cleanup()
+
+
+async def test_the_dashboard_refreshes_behind_a_proxy_that_serves_it_under_a_path(worked, tmp_path):
+    """Its script asks for the next view relative to the page, not at the server's root,
+    where the proxy serves something else."""
+    _, url, _, _, _ = worked
+    asked: list[str] = []
+    async with under_a_path(url, "/tilehive", asked) as page_url:
+        page = await browse(page_url, tmp_path / "chrome", "--virtual-time-budget=6000")
+    assert "/tilehive/?fragment=1" in asked  # refreshed through the proxy
+    assert '<div id="stale" class="banner unreachable" hidden=""></div>' in page
 
 
 def test_a_finished_project_restarted_shows_its_figures_everywhere(tmp_path, reaper):
