@@ -264,7 +264,8 @@ def _run(config: VolunteerConfig, state: StateDir, report: int | None) -> None:
             os.write(report, f"ok {os.getpid()}".encode())
             os.close(report)
         try:
-            asyncio.run(_serve(worker, state, interactive=report is None and sys.stdout.isatty()))
+            interactive = report is None and sys.stdout.isatty()
+            asyncio.run(_serve(worker, state, lock, interactive))
         except NotACoordinator as exc:  # said once: on stderr, or in the daemon's log
             if report is None:
                 raise click.ClickException(str(exc)) from None
@@ -274,29 +275,48 @@ def _run(config: VolunteerConfig, state: StateDir, report: int | None) -> None:
         state.release(lock)
 
 
-async def _serve(worker: Volunteer, state: StateDir, interactive: bool) -> None:
+async def _serve(worker: Volunteer, state: StateDir, lock: int, interactive: bool) -> None:
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):  # SIGHUP: a closed terminal
         loop.add_signal_handler(sig, stop.set)
-    reporter = asyncio.create_task(_report_status(worker, state, stop, interactive))
+    reporter = asyncio.create_task(_report_status(worker, state, lock, stop, interactive))
     try:
         await worker.run(stop)
     finally:
         stop.set()
         await reporter
-        state.write_status(worker.status())
+        if state.holds(lock):
+            state.write_status(worker.status())
         if interactive:
             click.echo()
         log.info("volunteer stopped after %d tiles", worker.stats.tiles)
 
 
-async def _report_status(worker: Volunteer, state: StateDir, stop: asyncio.Event, live: bool):
-    """Write status.json every second; in a terminal, also redraw one status line."""
+async def _report_status(
+    worker: Volunteer, state: StateDir, lock: int, stop: asyncio.Event, live: bool
+) -> None:
+    """Write status.json every second; in a terminal, also redraw one status line. Stop
+    the volunteer if its state directory is deleted or replaced under it: `status` and
+    `stop` could no longer find it, and it would run on unseen."""
     last_line = 0.0
+    unwritten = ""  # the last error writing status.json, said once
     while not stop.is_set():
+        if not state.holds(lock):
+            log.error(
+                "the state directory %s was deleted or replaced: stopping, since "
+                "`tilehive volunteer status` and `stop` can no longer find this volunteer",
+                state.path,
+            )
+            stop.set()
+            return
         status = worker.status()
-        state.write_status(status)
+        try:
+            state.write_status(status)
+        except OSError as exc:  # the directory going (checked above next time), a full disk
+            if str(exc) != unwritten:
+                log.warning("cannot write %s: %s", state.status_file, exc)
+                unwritten = str(exc)
         line = status_line(status)
         if live:
             click.echo("\r" + line.ljust(110)[:110], nl=False)

@@ -130,6 +130,15 @@ class StateDir:
         finally:
             os.close(fd)
 
+    def holds(self, fd: int) -> bool:
+        """Whether the pid file whose lock `fd` holds is still this directory's: not once
+        the directory was deleted or replaced, when nothing could find this volunteer."""
+        try:
+            here, held = os.stat(self.pid_file), os.fstat(fd)
+        except FileNotFoundError:
+            return False
+        return (here.st_dev, here.st_ino) == (held.st_dev, held.st_ino)
+
     def release(self, fd: int) -> None:
         """Remove the pid file and drop the lock (clean exit)."""
         self.pid_file.unlink(missing_ok=True)

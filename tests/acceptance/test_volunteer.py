@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -509,3 +511,20 @@ async def test_the_daemon_computes_a_tiny_tile_on_its_loop_and_a_long_one_on_a_t
         assert bytes(tile) == bytes(expected)
     assert threads[0] is threading.current_thread()
     assert threads[1] is not threading.current_thread()
+
+
+async def test_a_daemon_whose_state_directory_is_deleted_stops(tmp_path):
+    """Deleted under it, the state directory takes the daemon's pid file with it: `status`
+    and `stop` could no longer find it. It stops, rather than running on unseen."""
+    state = tmp_path / "vol"
+    started = tilehive(
+        "volunteer", "start", "http://127.0.0.1:9", "--daemon", "--state-dir", str(state)
+    )
+    assert started.returncode == 0, started.stderr
+    pid = int(re.search(r"pid (\d+)", started.stdout).group(1))
+    try:
+        shutil.rmtree(state)
+        await wait_until(lambda: not alive(pid), timeout=30)
+    finally:
+        if alive(pid):
+            os.kill(pid, signal.SIGKILL)
