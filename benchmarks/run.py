@@ -4,10 +4,10 @@ Run:  .venv/bin/python benchmarks/run.py [--quick] [--write] [--only AREA ...]
 
 Areas, in order: kernels and validation (benchmarks/kernels.py), coordinator (a coordinator
 process pinned to one core, `tilehive emulate`'s engine on the other, at 100, 1,000 and
-10,000 hosts), training, network (emulated laptops 30 ms away), communication, tails and
-the Dask peer (benchmarks/training.py, network.py, communication.py, tails.py,
-peer_dask.py). `--write` replaces the table in docs/performance.md; without it the table is
-only printed. `--quick` is a smoke run (small
+10,000 hosts), training, network (emulated laptops 30 ms away), communication, tails, a
+host that hoards tiles, and the Dask peer (benchmarks/training.py, network.py,
+communication.py, tails.py, hoarding.py, peer_dask.py). `--write` replaces the table in
+docs/performance.md; without it the table is only printed. `--quick` is a smoke run (small
 repeats, 100 hosts only) whose figures are not for the record.
 """
 
@@ -297,6 +297,7 @@ AREAS = {
     "transfer": lambda quick: module_rows("transfer", quick),
     "communication": lambda quick: module_rows("communication", quick),
     "tails": lambda quick: module_rows("tails", quick),
+    "hoarding": lambda quick: module_rows("hoarding", quick),
     "peer": lambda quick: module_rows("peer_dask", quick),
 }
 
