@@ -46,6 +46,7 @@ SHARED_BLOB_BYTES = 256 * MB  # operand bytes kept for all hosts together
 SHARED_TILE_BYTES = 256 * MB  # modelled tiles kept for their replicas
 UNLIMITED_CACHE = 256 * MB  # the operand cache of a host without a memory limit
 LIES = ("big", "one_ulp", "zero", "nan")  # well-formed wrong tiles: only a validator sees them
+CALL_TIMEOUT = 120.0  # seconds a host's call may take, waiting for a pooled connection too
 
 T = TypeVar("T")
 
@@ -266,7 +267,7 @@ class EmulatedHost(PullLoop):
         self.rng = random.Random(emulation.rng.random())
         budget = budget_for(traits.max_memory_mb, traits.threads) if traits.max_memory_mb else None
         super().__init__(
-            CoordinatorClient(emulation.url, session=emulation.session),
+            CoordinatorClient(emulation.url, session=emulation.session, timeout=CALL_TIMEOUT),
             name=name,
             cache=HeldBlobs(emulation.blobs, budget // 2 if budget else UNLIMITED_CACHE),
             gflops=traits.gflops,
@@ -657,7 +658,9 @@ async def run_emulation(
     connections = connections or default_connections(hosts)
     raise_file_limit(connections + 256)
     connector = aiohttp.TCPConnector(limit=connections, limit_per_host=0, ttl_dns_cache=300)
-    timeout = aiohttp.ClientTimeout(total=120, sock_connect=30)
+    # A call waits for one of the shared pool's connections first: at 10,000 hosts that
+    # wait is most of the time a host sees (seconds), so calls get minutes.
+    timeout = aiohttp.ClientTimeout(total=CALL_TIMEOUT, sock_connect=30)
     async with aiohttp.ClientSession(
         connector=connector, timeout=timeout, trace_configs=[_trace_config()]
     ) as session:
