@@ -52,6 +52,12 @@ class HostRegistry:
             raise Unauthorized("unknown token: register again")
         return self.ledger.hosts[host_id]
 
+    def heard_from(self, host_id: int, now: float) -> None:
+        """The host is still sending a request (a long body): in contact `now`."""
+        host = self.ledger.hosts.get(host_id)
+        if host is not None:
+            self.ledger.put_host(host.evolve(last_contact=now))
+
     def find(self, id_or_name: str) -> int:
         """A host's id from its id or its name (the operator's word for it). Raises NotFound,
         or BadRequest when several hosts share the name."""

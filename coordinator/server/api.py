@@ -116,9 +116,11 @@ async def measured(request: web.Request, handler: Handler) -> web.StreamResponse
     return response
 
 
-async def read_body(request: web.Request, limit: int) -> dict:
+async def read_body(
+    request: web.Request, limit: int, heard: Callable[[], None] | None = None
+) -> dict:
     """The request's msgpack map (plain, or framed: kernels/frames.py), refusing other media
-    types and bodies over `limit`."""
+    types and bodies over `limit`; `heard()` now and then while a long body arrives."""
     if request.content_type not in (protocol.CONTENT_TYPE, frames.CONTENT_TYPE):
         raise UnsupportedMediaType(
             f"send the body as {protocol.CONTENT_TYPE} or {frames.CONTENT_TYPE}, not "
@@ -127,7 +129,7 @@ async def read_body(request: web.Request, limit: int) -> dict:
     if request.content_length is not None and request.content_length > limit:
         raise TooLarge(f"body of {request.content_length} bytes exceeds the limit of {limit}")
     config = request.app[COORDINATOR].config
-    clock = BodyClock(config.body_timeout, config.body_min_rate)
+    clock = BodyClock(config.body_timeout, config.body_min_rate, heard)
     try:
         async with asyncio.timeout_at(clock.deadline(0)) as timer:
             arrived = clock.extender(timer)
@@ -155,13 +157,17 @@ class BodyClock:
     """How long a request body may take to arrive: `grace` seconds, and one second more
     for each `min_rate` bytes that have arrived. A report from a slow uplink gets through
     however large it is; a client that drips a body to hold a connection and its buffer
-    (slowloris) is cut off once it falls below the rate."""
+    (slowloris) is cut off once it falls below the rate. `heard()` is called each `step`
+    while bytes arrive: a host minutes into a report is in contact, not silent."""
 
-    def __init__(self, grace: float, min_rate: float) -> None:
+    def __init__(
+        self, grace: float, min_rate: float, heard: Callable[[], None] | None = None
+    ) -> None:
         self.grace = grace
         self.min_rate = min_rate
+        self.heard = heard
         self.step = min(1.0, grace / 4)
-        self.started = asyncio.get_running_loop().time()
+        self.started = self.heard_at = asyncio.get_running_loop().time()
         self.got = 0
 
     def deadline(self, got: int) -> float:
@@ -173,6 +179,11 @@ class BodyClock:
 
         def arrived(got: int) -> None:
             self.got = got
+            if self.heard is not None:
+                now = asyncio.get_running_loop().time()
+                if now - self.heard_at >= self.step:
+                    self.heard_at = now
+                    self.heard()
             deadline = self.deadline(got)
             when = timer.when()
             # A step at a time: a body comes in hundreds of chunks, and each move is a
@@ -337,7 +348,13 @@ async def report(request: web.Request) -> web.Response:
     host = co.hosts.authenticate(bearer(request))
     co.access.check_rate(host.id, time.monotonic())
     co.neighbours.saw(host, on_this_machine(request), time.time())
-    message = protocol.parse_report(await read_body(request, co.config.max_report_bytes))
+
+    # A large report over a slow uplink takes minutes: its host is in contact meanwhile, not
+    # missing from the count of connected volunteers that says why work waits.
+    def heard() -> None:
+        co.hosts.heard_from(host.id, time.time())
+
+    message = protocol.parse_report(await read_body(request, co.config.max_report_bytes, heard))
     summary = await co.reports.report(host, message, time.time())
     summary.update(local_offer(request))
     if message.work is None:

@@ -325,6 +325,22 @@ async def test_a_body_from_a_slow_uplink_arrives_however_long_it_takes(tmp_path)
         assert b" 408 " in await report_paced(url, token, body, 1_000, 0.2)
 
 
+async def test_a_host_minutes_into_a_report_is_in_contact(tmp_path):
+    """Its last contact moves as the body arrives, not only once it is in: a volunteer on a
+    slow uplink is counted among those connected (the reason work waits, status)."""
+    tile = {"result_id": "0" * 32, "hash": "0" * 64, "tile": b"x" * 30_000}
+    body = msgpack.packb({"results": [tile]})
+    async with running(tmp_path, body_timeout=0.4, body_min_rate=20_000) as (co, _, url):
+        async with CoordinatorClient(url) as client:
+            host_id = await client.register("slow")
+            token = client.token
+        registered = co.ledger.hosts[host_id].last_contact
+        sending = asyncio.ensure_future(report_paced(url, token, body, 1_000, 0.02))
+        await wait_until(lambda: co.ledger.hosts[host_id].last_contact > registered)
+        assert not sending.done()  # heard from while the body still arrives
+        assert b" 404 " in await sending
+
+
 async def test_a_client_that_trickles_its_headers_is_disconnected(tmp_path):
     """Slowloris: a byte of header every 0.05 s never completes a request; the connection is
     dropped once header_timeout has passed, and the server goes on serving others."""
