@@ -684,6 +684,13 @@ class PullLoop(CoordinatorSession):
                     await self._say_goodbye()
             except (ServerRefused, *TRANSIENT) as exc:
                 self._failed("report", exc)
+                self.log.warning(
+                    "leaving with %d result(s) the coordinator did not hear of in %.0fs "
+                    "(%s): it gives them to other hosts",
+                    len(self.pending),
+                    max(1.0, timeout),
+                    type(exc).__name__,
+                )
         self.stats.vanished += len(self.queue) + len(self.pending)
         self.queue.clear()
         self.pending.clear()

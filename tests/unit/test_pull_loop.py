@@ -380,7 +380,7 @@ class ReportsNeverArrive(NothingAfterTwoTiles):
         raise AssertionError("unreachable")
 
 
-async def test_a_stop_cuts_off_a_report_still_on_its_way(monkeypatch):
+async def test_a_stop_cuts_off_a_report_still_on_its_way(monkeypatch, caplog):
     """Stopped while a report is on its way, the session ends STOP_GRACE later, not when
     the report arrives (minutes, over a slow uplink): the call is cut off and its results
     are kept, to be sent again or given up as the volunteer leaves."""
@@ -397,6 +397,8 @@ async def test_a_stop_cuts_off_a_report_still_on_its_way(monkeypatch):
     assert not loop.sending
     await loop.leave(graceful=True, timeout=0.05)  # its reports hang again: given up
     assert loop.stats.vanished >= len(reported)
+    said = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert any("leaving with" in line and "did not hear of" in line for line in said), said
 
 
 class MangledDownloads(NothingAfterTwoTiles):
