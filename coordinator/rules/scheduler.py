@@ -10,7 +10,8 @@ BOINC's rules and the fixes for what its users complain about:
   and one the coordinator no longer needs is aborted: no ghost tasks;
 - adaptive replication: a host with CV consecutive valid results gets a work unit alone
   with probability 1 - 1/CV, and that tile is always Freivalds-checked;
-- tail acceleration: spare replicas at the end of a GEMM go only to fast, reliable hosts;
+- tail acceleration: spare replicas at the end of a GEMM, and a straggler's, go only to
+  proven hosts not far slower than the typical proven one;
 - while other hosts wait for work, a host takes only its share of each product's unsent
   results (the product was cut for all of them: rules/sizing.py), and of all of them;
 - a host holds at most its share of a product's results over the whole crowd, waiting or
@@ -42,6 +43,12 @@ from coordinator.work.records import (
     WorkUnit,
     WuState,
 )
+
+# A spare goes to a proven host at least this share of the typical proven host's speed:
+# the median would leave the slower half of an even crowd out (of two honest hosts, the
+# one that does not hold the work unit already, half the time), and a spare is worth
+# giving to any host far faster than the one sitting on its tile.
+SPARE_SPEED_SHARE = 0.5
 
 
 @dataclass(frozen=True, slots=True)
@@ -155,11 +162,16 @@ def memory_need(wu: WorkUnit, panel_bytes: dict[str, int]) -> int:
 
 
 def fast_and_reliable(host: Host, ledger: Ledger) -> bool:
-    """A host that may take a tail-acceleration spare: proven, and not slower than most."""
+    """A host that may take a spare (tail acceleration, a straggler's): proven, and at least
+    SPARE_SPEED_SHARE of the typical proven host's speed. Only proven hosts' speeds count:
+    they are what each host claims, and hosts that claim a thousand GFLOPS and compute
+    nothing would set the bar above every honest host, and no spare would go anywhere."""
     if host.consecutive_valid < 1 or host.quarantined:
         return False
-    speeds = [h.gflops for h in ledger.hosts.values() if not h.quarantined]
-    return host.gflops >= statistics.median(speeds)
+    speeds = [
+        h.gflops for h in ledger.hosts.values() if h.consecutive_valid >= 1 and not h.quarantined
+    ]
+    return host.gflops >= SPARE_SPEED_SHARE * statistics.median(speeds)
 
 
 def takes_replacement(host: Host, wu: WorkUnit, siblings: list[Result]) -> bool:

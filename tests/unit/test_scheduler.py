@@ -633,7 +633,8 @@ def test_freivalds_work_units_are_left_as_they_are():
     [
         pytest.param(5.0, 3, False, True, id="fast and proven"),
         pytest.param(3.0, 1, False, True, id="median speed"),
-        pytest.param(1.0, 3, False, False, id="below the median"),
+        pytest.param(1.0, 3, False, True, id="half the median"),
+        pytest.param(0.5, 3, False, False, id="under half the median"),
         pytest.param(5.0, 0, False, False, id="fast but unproven"),
         pytest.param(5.0, 3, True, False, id="quarantined"),
     ],
@@ -657,6 +658,23 @@ def test_accelerated_work_units_go_only_to_fast_reliable_hosts(gflops, cv, quara
     for a in plan.assignments:
         if a.wu.accelerated:
             assert a.result.upload_tile
+
+
+def test_hosts_that_claim_great_speed_and_prove_nothing_do_not_keep_spares_from_honest_ones():
+    """Liars claiming a thousand GFLOPS each raised the median speed above every honest
+    host, so a straggler's spare waited, unsent, for the liar's own deadline."""
+    honest = [make_host(1, gflops=92.0, cv=5), make_host(2, gflops=88.0, cv=5)]
+    liars = [make_host(10 + i, gflops=1000.0, cv=0) for i in range(5)]
+    spare_wu = make_wu(1, accelerated=True, target_nresults=3)
+    ledger = make_ledger(hosts=[*honest, *liars])
+    ledger.put_wu(spare_wu)
+    ledger.put_result(sent_to(spare_wu, 1, 0))  # the honest replica
+    ledger.put_result(sent_to(spare_wu, 10, 1))  # a liar's, sat on
+    ledger.put_result(replica(spare_wu, 2))  # the spare
+
+    plan = scheduler(ledger).plan(honest[1], request(), NOW)
+
+    assert "wu-1" in assigned_wus(plan)
 
 
 # ---- tile or hash --------------------------------------------------------------------------
