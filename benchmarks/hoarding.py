@@ -22,7 +22,6 @@ import asyncio
 import json
 import os
 import sqlite3
-import subprocess
 import sys
 import tempfile
 import time
@@ -37,9 +36,6 @@ from benchmarks.report import Row, verdict  # noqa: E402
 from coordinator.training import project as projects  # noqa: E402
 from volunteer.client import CoordinatorClient, ServerRefused  # noqa: E402
 
-ROOT = Path(__file__).resolve().parent.parent
-TILEHIVE = [sys.executable, "-m", "coordinator.cli"]
-ENV = {**os.environ, "PYTHONPATH": str(ROOT)}
 WINDOW = 20.0  # seconds of steps counted, with and without the hoarder
 WARM_STEPS = 5  # steps before the first window: the volunteers started and warm
 
@@ -91,17 +87,8 @@ class Hoarder:
 
 
 async def measure(directory: Path, window: float, timeout: float) -> dict:
-    port = serve_switched.free_port()
-    url = f"http://127.0.0.1:{port}"
     log = directory.parent / "coordinator.log"
-    with log.open("w") as out:
-        coordinator = subprocess.Popen(
-            [*TILEHIVE, "coordinator", str(directory), "--bind", f"127.0.0.1:{port}"],
-            stdout=out,
-            stderr=out,
-            cwd=ROOT,
-            env=ENV,
-        )
+    coordinator, url, _ = serve_switched.start_training(directory, log)
     crew = serve_switched.start_volunteers(url, directory.parent / "volunteers", 2)
     stop = asyncio.Event()
     hoarder = Hoarder(url)

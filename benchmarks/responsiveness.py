@@ -18,7 +18,6 @@ import argparse
 import http.client
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
 import threading
@@ -33,9 +32,6 @@ from benchmarks import serve_switched  # noqa: E402
 from benchmarks.report import Row, verdict  # noqa: E402
 from coordinator.training import project as projects  # noqa: E402
 
-ROOT = Path(__file__).resolve().parent.parent
-TILEHIVE = [sys.executable, "-m", "coordinator.cli"]
-ENV = {**os.environ, "PYTHONPATH": str(ROOT)}
 BAR_MS = 20.0
 POLL_EVERY = 0.03  # seconds between status requests
 # Steps trained per model: enough for a few hundred requests while it trains (tiny-gpt's
@@ -79,17 +75,8 @@ def poll_status(port: int, stop: threading.Event, latencies: list[float]) -> Non
 
 
 def measure(directory: Path, timeout: float) -> list[float]:
-    port = serve_switched.free_port()
-    url = f"http://127.0.0.1:{port}"
     log = directory.parent / f"{directory.name}.log"
-    with log.open("a") as out:
-        coordinator = subprocess.Popen(
-            [*TILEHIVE, "coordinator", str(directory), "--bind", f"127.0.0.1:{port}"],
-            stdout=out,
-            stderr=out,
-            cwd=ROOT,
-            env=ENV,
-        )
+    coordinator, url, port = serve_switched.start_training(directory, log)
     crew = serve_switched.start_volunteers(url, directory.parent / f"{directory.name}-v", 1)
     latencies: list[float] = []
     stop = threading.Event()

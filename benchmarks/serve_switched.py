@@ -213,6 +213,18 @@ def start(directory: Path, *options: str) -> tuple[subprocess.Popen, str]:
     return process, url
 
 
+def start_training(directory: Path, log: Path, *options: str) -> tuple[subprocess.Popen, str, int]:
+    """`tilehive coordinator DIRECTORY` (with `options`) on a free loopback port, its output
+    appended to `log`; returns the process, its URL and its port."""
+    port = free_port()
+    tilehive = [sys.executable, "-m", "coordinator.cli"]
+    command = [*tilehive, "coordinator", str(directory), "--bind", f"127.0.0.1:{port}", *options]
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    with log.open("a") as out:
+        process = subprocess.Popen(command, stdout=out, stderr=out, cwd=ROOT, env=env)
+    return process, f"http://127.0.0.1:{port}", port
+
+
 def result(process: subprocess.Popen, timeout: float) -> dict:
     """The process's JSON line, once its work is done (it then serves on: see `close`)."""
     import selectors

@@ -148,17 +148,8 @@ def train_distributed(
     """Train with `volunteers` daemons on loopback (`options`: the coordinator's flags);
     returns their busy share, their threads' waits for a CPU (CpuWaits.shares) and their
     peak memory."""
-    port = serve_switched.free_port()
-    url = f"http://127.0.0.1:{port}"
     log = directory.parent / f"{directory.name}.log"
-    with log.open("a") as out:
-        coordinator = subprocess.Popen(
-            [*TILEHIVE, "coordinator", str(directory), "--bind", f"127.0.0.1:{port}", *options],
-            stdout=out,
-            stderr=out,
-            cwd=ROOT,
-            env=ENV,
-        )
+    coordinator, url, _ = serve_switched.start_training(directory, log, *options)
     # The daemons retry until the coordinator answers; step 1 waits for them.
     states = directory.parent / f"{directory.name}-volunteers"
     crew = serve_switched.start_volunteers(url, states, volunteers)
