@@ -104,6 +104,10 @@ async def measure(directory: Path, window: float, timeout: float) -> dict:
         await asyncio.sleep(2.0)  # it has taken its first tiles
         hoarded = await steps_in(directory, window)
         later = await steps_in(directory, window)
+        if hoarding.done():  # it failed: the windows measured no hoarder
+            raise RuntimeError(f"the hoarder stopped: {hoarding.exception()!r}")
+        if not hoarder.taken:
+            raise RuntimeError("the hoarder was given no tile: nothing was measured")
     finally:
         stop.set()
         if hoarding is not None:

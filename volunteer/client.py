@@ -327,7 +327,10 @@ class CoordinatorClient:
 
     async def status(self) -> dict[str, Any]:
         async def once() -> dict[str, Any]:
-            async with self.session.get(self.url + "/v1/status") as resp:
+            async with (
+                asyncio.timeout(self.timeout),
+                self.session.get(self.url + "/v1/status") as resp,
+            ):
                 return await resp.json()
 
         return await self._call(once)

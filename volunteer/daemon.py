@@ -97,6 +97,9 @@ class Volunteer(PullLoop):
             logger=log,
         )
         self.config = config
+        # A report nearly through a slow uplink when the stop comes gets the time a tile
+        # gets to finish, rather than being cut off and sent again from its first byte.
+        self.stop_grace = config.stop_timeout
         self.limit_name = f"--max-memory {config.max_memory_mb} MB"
         self.state_dir = StateDir(config.state_dir)
         self.server_note = ""  # the coordinator's last word on why there is no work for us

@@ -37,7 +37,7 @@ from volunteer.loop import PullLoop, Stats
 from volunteer.policy import MB, budget_for
 from volunteer.profile import HostTraits, Profile
 from volunteer.profile import load as load_profile
-from volunteer.session import NETWORK, ProjectFinished, Quarantined, wait
+from volunteer.session import NETWORK, ProjectFinished, Quarantined, Stopping, wait
 
 log = logging.getLogger(__name__)
 
@@ -387,7 +387,7 @@ class EmulatedHost(PullLoop):
                         await self._compute_next()
                     while self.pending:
                         await self._flush()
-            except (ServerRefused, *NETWORK) as exc:
+            except (ServerRefused, Stopping, *NETWORK) as exc:
                 if not isinstance(exc, TimeoutError) or time.monotonic() < deadline:
                     self._failed("report", exc)
         await super().leave(graceful, deadline - time.monotonic())

@@ -27,7 +27,7 @@ import kernels
 from kernels.frames import Buffer
 from volunteer.backoff import Backoff
 from volunteer.cache import Downloads
-from volunteer.client import CoordinatorClient, ServerRefused
+from volunteer.client import NOT_TILEHIVE, CoordinatorClient, ServerRefused
 from volunteer.policy import (
     CORRUPT_FETCHES,
     MAX_CACHED_IDS,
@@ -507,16 +507,27 @@ class PullLoop(CoordinatorSession):
                     job.operands = None
                 self.queue.appendleft(job)
             raise
+        except Stopping:
+            # Its download was cut off by a stop: given back with the queue as the session
+            # ends (fetched again at its turn, should it go on).
+            self.queue.appendleft(replace(job, operands=None, pinned=()))
+            raise
         except Exception as exc:
             if result_id in self.aborted:  # nothing to report, retry or keep
                 self.aborted.discard(result_id)
                 return None
+            mangled = isinstance(exc, kernels.BlobMismatchError) or (
+                isinstance(exc, ServerRefused) and exc.code == NOT_TILEHIVE
+            )
+            if mangled and job.corrupt + 1 < CORRUPT_FETCHES:
+                # Bytes mangled on the way (a proxy's page, a broken link) say nothing of
+                # this host: fetched again after the session's backoff. Its pins are let
+                # go below, by this job; the copy holds none.
+                self.queue.appendleft(
+                    replace(job, operands=None, pinned=(), corrupt=job.corrupt + 1)
+                )
+                raise
             if isinstance(exc, kernels.BlobMismatchError):
-                if job.corrupt + 1 < CORRUPT_FETCHES:
-                    # Bytes mangled on the way (a proxy's page with a 200, a broken link)
-                    # say nothing of this host: fetched again after the session's backoff.
-                    self.queue.appendleft(replace(job, operands=None, corrupt=job.corrupt + 1))
-                    raise
                 self._failed("blob", exc)
                 self.log.error("refusing %s: operand blob is corrupt: %s", result_id, exc)
                 self.pending.append({"result_id": result_id, "error": f"corrupt blob: {exc}"})
@@ -526,7 +537,9 @@ class PullLoop(CoordinatorSession):
                 self.stats.aborted += 1
                 self.log.info("dropped %s: %s", result_id, exc.message)
                 return None
-            if isinstance(exc, ServerRefused) and not (exc.retriable or exc.status == 401):
+            if isinstance(exc, ServerRefused) and (
+                mangled or not (exc.retriable or exc.status == 401)
+            ):
                 self._failed("blob", exc)
                 self.log.error("cannot fetch operands of %s: %s", result_id, exc)
                 self.pending.append({"result_id": result_id, "error": f"fetch failed: {exc}"})
@@ -686,7 +699,8 @@ class PullLoop(CoordinatorSession):
                 self._failed("report", exc)
                 self.log.warning(
                     "leaving with %d result(s) the coordinator did not hear of in %.0fs "
-                    "(%s): it gives them to other hosts",
+                    "(%s): it gives them to other hosts at their deadlines, or sooner if "
+                    "others are idle",
                     len(self.pending),
                     max(1.0, timeout),
                     type(exc).__name__,
@@ -709,6 +723,8 @@ class PullLoop(CoordinatorSession):
         for job in self.queue:
             if job.operands is not None:
                 job.operands.cancel()
+                if job.operands.done() and not job.operands.cancelled():
+                    job.operands.exception()  # retrieved: a download a stop cut off
             self._unpin(job)
         if self.asking is not None:
             self.asking.cancel()

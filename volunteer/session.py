@@ -54,10 +54,10 @@ class Stopping(Exception):
         self.endpoint = endpoint
 
 
-# Seconds a stop waits for the session's call in flight before cutting it off: longer
-# than a long poll (the coordinator's long_poll, 2 s), far shorter than a large report
-# over a slow uplink, which may take minutes (client.MIN_RATE) and is sent again, or
-# given up, as the session ends (PullLoop.leave).
+# Seconds a stop waits, by default, for the calls in flight before cutting them off:
+# longer than a long poll (the coordinator's long_poll, 2 s), far shorter than a large
+# report over a slow uplink, which may take minutes (client.MIN_RATE) and is sent again,
+# or given up, as the session ends (PullLoop.leave). The daemon waits its stop_timeout.
 STOP_GRACE = 3.0
 
 
@@ -79,6 +79,7 @@ class CoordinatorSession:
         self.state = "starting"
         self.note = ""  # what the volunteer is doing or waiting for
         self.heard = False  # a coordinator has answered at the URL, in its own words
+        self.stop_grace = STOP_GRACE  # seconds a stop waits for a call on its way
         self._calls: set[asyncio.Task] = set()  # tasks with a call on its way
         self._cut: set[asyncio.Task] = set()  # those whose call a stop cut off
 
@@ -121,7 +122,7 @@ class CoordinatorSession:
         """After a stop, cut off the calls still on their way (the session's, or a work
         request it sent ahead), so that the session can end and leave."""
         await stop.wait()
-        await asyncio.sleep(STOP_GRACE)
+        await asyncio.sleep(self.stop_grace)
         for task in self._calls - self._cut:
             self._cut.add(task)
             task.cancel()
@@ -174,10 +175,10 @@ class CoordinatorSession:
         try:
             reply = await self._request(endpoint, call, up)
         except asyncio.CancelledError:
-            if task not in self._cut:
+            # Cut off by a stop, and by nothing else: a cancel of its own (the session
+            # being torn down) still counts, and goes on as a CancelledError.
+            if task not in self._cut or task.uncancel() > 0:
                 raise
-            self._cut.discard(task)
-            task.uncancel()
             raise Stopping(endpoint) from None
         except ServerRefused as exc:
             exc.endpoint = endpoint  # the call that failed, wherever the error surfaces
@@ -188,6 +189,7 @@ class CoordinatorSession:
             raise
         finally:
             self._calls.discard(task)
+            self._cut.discard(task)
         self.heard = True
         return reply
 
@@ -209,9 +211,9 @@ class CoordinatorSession:
             self.client.token = None
             return
         delay = self.backoff.next_delay(at_least=exc.retry_after)
-        self.note = (
-            f"coordinator said {exc.status} {exc.code}: {exc.message}" if said else exc.message
-        )
+        self.note = f"coordinator said {exc.status} {exc.code}: {exc.message}"
+        if not said:  # the words of something in between (a proxy), not the coordinator's
+            self.note = f"a reply not in the coordinator's words ({exc.status}): {exc.message}"
         self.log.warning("%s; retry in %.1fs", self.note, delay)
         await wait(stop, delay)
 

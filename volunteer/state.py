@@ -140,6 +140,8 @@ class StateDir:
         return (here.st_dev, here.st_ino) == (held.st_dev, held.st_ino)
 
     def release(self, fd: int) -> None:
-        """Remove the pid file and drop the lock (clean exit)."""
-        self.pid_file.unlink(missing_ok=True)
+        """Remove the pid file and drop the lock (clean exit). Only our own: after the
+        directory was deleted under us, another volunteer may have made it anew."""
+        if self.holds(fd):
+            self.pid_file.unlink(missing_ok=True)
         os.close(fd)

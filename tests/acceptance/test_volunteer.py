@@ -31,6 +31,7 @@ from tests.procs import (
 )
 from tests.volunteers import wait_until
 from volunteer.cli import alive
+from volunteer.state import StateDir
 
 
 @pytest.fixture
@@ -528,3 +529,18 @@ async def test_a_daemon_whose_state_directory_is_deleted_stops(tmp_path):
     finally:
         if alive(pid):
             os.kill(pid, signal.SIGKILL)
+
+
+def test_a_volunteer_leaving_a_directory_made_anew_leaves_the_new_pid_file(tmp_path):
+    """Its state directory deleted and made again by a new volunteer meanwhile, the old one
+    exits without deleting the newcomer's pid file (which would stop the newcomer too)."""
+    old = StateDir(tmp_path / "v")
+    old_lock = old.lock()
+    shutil.rmtree(tmp_path / "v")
+    new = StateDir(tmp_path / "v")
+    new_lock = new.lock()
+    old.release(old_lock)
+    try:
+        assert new.holds(new_lock) and new.running_pid() == os.getpid()
+    finally:
+        new.release(new_lock)

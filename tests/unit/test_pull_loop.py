@@ -508,3 +508,76 @@ async def test_once_the_coordinator_is_back_the_status_note_no_longer_says_it_is
     done = lambda: len(coordinator.reported) >= 2  # noqa: E731
     loop = await run_until(coordinator, done, Noted, gflops=0.0, backoff=quick())
     assert loop.stats.errors == 2 and notes == ["", ""]
+
+
+async def test_a_tile_fetched_again_holds_no_pins_it_let_go():
+    """A tile whose operands came mangled is queued again holding no pins: its own were let
+    go with the failed download, and letting them go again at its next turn would take
+    another queued tile's pins, whose panels the cache could then evict."""
+
+    class Sized(MangledDownloads):  # sized assignments: queued tiles fetch ahead, pinned
+        def __init__(self) -> None:
+            super().__init__(mangled=1)
+            sizes = {"a_bytes": len(self.blobs[self.tiles[0]["a"]])}
+            sizes["b_bytes"] = len(self.blobs[self.tiles[0]["b"]])
+            self.tiles = [{**tile, **sizes} for tile in self.tiles]
+
+    turns: list[tuple[str, int, bool]] = []  # tile, its pins, the cache holding any
+
+    class Watched(SlowTiles):
+        async def _operands_in_hand(self, job):
+            pinned = self.cache.pinned_bytes > 0
+            turns.append((job.assignment["result_id"], len(job.pinned), pinned))
+            return await super()._operands_in_hand(job)
+
+    coordinator = Sized()
+    done = lambda: len(coordinator.reported) >= 2  # noqa: E731
+    loop = await run_until(coordinator, done, Watched, gflops=0.0, backoff=quick())
+    assert set(coordinator.reported) == {"r0", "r1"} and coordinator.errors == []
+    assert all(holds == 0 or cache_holds for _, holds, cache_holds in turns), turns
+    assert loop.cache.pinned_bytes == 0
+
+
+async def test_a_stop_while_a_tile_waits_for_its_operands_gives_the_tile_back(monkeypatch):
+    """Its download cut off by the stop, the tile whose turn had come goes back to the
+    queue, and leaving gives it back: not lost until its deadline."""
+    monkeypatch.setattr(session_module, "STOP_GRACE", 0.05)
+
+    class Fetched(HeldDownload):  # its answers carry no operands: they are downloaded
+        async def request_work(self, request_id: str, **message: Any) -> dict[str, Any]:
+            return {**await super().request_work(request_id, **message), "blobs": {}}
+
+    coordinator = Fetched()
+    abandoned: list[str] = []
+    report = coordinator.report
+
+    async def recorded(batch, work):
+        abandoned.extend(r["result_id"] for r in batch if r.get("abandoned"))
+        return await report(batch, work)
+
+    coordinator.report = recorded  # type: ignore[method-assign]
+    loop = SlowTiles(coordinator, name="v", cache=BlobCache(1 << 20), gflops=0.0)  # type: ignore[arg-type]
+    stop = asyncio.Event()
+    session = asyncio.ensure_future(loop.session(stop))
+    await asyncio.wait_for(coordinator.fetching.wait(), timeout=10.0)
+    stop.set()
+    await asyncio.wait_for(session, timeout=10.0)
+    assert [job.assignment["result_id"] for job in loop.queue][:1] == ["r0"]
+    await loop.leave(graceful=True, timeout=5.0)
+    assert sorted(abandoned) == ["r0", "r1"]
+
+
+async def test_a_proxys_page_for_every_download_ends_in_an_error_not_a_retry_for_ever():
+    """Downloads answered by a proxy's page (not the coordinator's words) are tried
+    CORRUPT_FETCHES times, like bytes mangled on the way; then the tile is reported as an
+    error and goes to another host."""
+
+    class PagesForBlobs(MangledDownloads):
+        async def fetch_blob(self, blob_id: str, max_bytes: int) -> bytes:
+            self.fetches += 1
+            raise ServerRefused(404, NOT_TILEHIVE, "GET /v1/blobs answered text/html")
+
+    coordinator = PagesForBlobs(mangled=0)
+    done = lambda: len(coordinator.reported) >= 2  # noqa: E731
+    loop = await run_until(coordinator, done, gflops=0.0, backoff=quick())
+    assert sorted(coordinator.errors) == ["r0", "r1"] and loop.stats.tiles == 0
