@@ -47,7 +47,7 @@ class ProjectFinished(Exception):
 
 
 class Stopping(Exception):
-    """A call still on its way STOP_GRACE seconds after a stop was cut off (`endpoint`)."""
+    """A call still on its way `stop_grace` seconds after a stop was cut off (`endpoint`)."""
 
     def __init__(self, endpoint: str) -> None:
         super().__init__(f"the {endpoint} call in flight was cut off by a stop")
