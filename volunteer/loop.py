@@ -33,10 +33,12 @@ from volunteer.policy import (
     MAX_CACHED_IDS,
     MAX_CAPACITY,
     UNSIZED_BLOB,
+    UPLOAD_SAMPLE_BYTES,
     ask_ahead,
     capacity,
     memory_refusal,
     report_batch,
+    report_bytes,
     report_due,
     room_to_compute,
     time_to_ask,
@@ -145,6 +147,7 @@ class PullLoop(CoordinatorSession):
         self.queue: deque[Job] = deque()
         self.pending: list[dict[str, Any]] = []  # reports not yet sent
         self.sending: list[dict[str, Any]] = []  # reports on their way
+        self.upload_rate: float | None = None  # bytes a second up, from large reports
         self.computing: str | None = None
         # The tile whose turn has come, while its operands arrive: in progress all the same.
         self.fetching: str | None = None
@@ -259,7 +262,7 @@ class PullLoop(CoordinatorSession):
                     # costs the kernel nothing, and the coordinator may be waiting for this
                     # very tile before its training loop can go on.
                     self.asking = asyncio.ensure_future(self._ask(self._capacity()))
-                elif report_due(self.pending, len(self.queue)):
+                elif report_due(self.pending, len(self.queue), self._report_bytes()):
                     await self._flush()
         elif reply is not None and not reply["assignments"]:
             if self.pending or self.asked_busy:
@@ -272,6 +275,16 @@ class PullLoop(CoordinatorSession):
             self.note = f"no work; next ask in {delay:.1f}s"
             await wait(stop, delay)
 
+    def _report_bytes(self) -> int:
+        """Tile bytes per report at this host's measured uplink (policy.report_bytes)."""
+        return report_bytes(self.upload_rate)
+
+    def _measured_upload(self, size: int, seconds: float) -> None:
+        """A report of `size` bytes took `seconds`, the coordinator's answer included:
+        the uplink's rate, smoothed."""
+        rate = size / max(seconds, 1e-6)
+        self.upload_rate = rate if self.upload_rate is None else (self.upload_rate + rate) / 2
+
     def _capacity(self) -> int:
         """How many more tiles to ask for."""
         return capacity(len(self.queue), self.gflops, self.tile_flops, self.max_capacity)
@@ -282,7 +295,7 @@ class PullLoop(CoordinatorSession):
         request_id = f"{self._session_id}-{next(self._requests)}"
         # Reports beyond one batch go first; the last batch carries the request, and the
         # answer to it comes back with the report's: one round trip per product, not two.
-        while len(report_batch(self.pending)) < len(self.pending):
+        while len(report_batch(self.pending, self._report_bytes())) < len(self.pending):
             await self._flush()
         riding = {r["result_id"] for r in self.pending}  # reported by the same request
         message = {
@@ -626,17 +639,21 @@ class PullLoop(CoordinatorSession):
         reply, or None if the coordinator refused the batch for good."""
         if not self.pending:
             return None
-        batch = report_batch(self.pending)
+        batch = report_batch(self.pending, self._report_bytes())
         size = sum(len(r.get("tile", b"")) + 64 for r in batch)
         # Out of `pending` while on the way (still listed as in progress), so a report sent
         # beside a work request in flight does not send them twice.
         del self.pending[: len(batch)]
         self.sending += batch
         reply = None
+        started = time.monotonic()
         try:
             reply = await self._timed(
                 self._call("report", lambda: self.client.report(batch, work), up=size)
             )
+            if size >= UPLOAD_SAMPLE_BYTES and not (work and work.get("wait")):
+                # (An answer that waited for work would make the uplink look slow.)
+                self._measured_upload(size, time.monotonic() - started)
         except ServerRefused as exc:
             if exc.retriable or exc.status == 401:
                 self.pending[:0] = batch  # sent again after the backoff (or registering)

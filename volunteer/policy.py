@@ -14,6 +14,11 @@ GROWTH = 16 * MB
 MAX_CAPACITY = 64  # tiles queued at most: as many as a trusted host may hold
 REPORT_BATCH = 64  # results per report at most
 REPORT_BYTES = 8 * MB  # tile bytes per report: a report is sent once this much is waiting
+# On a slow uplink a report holds at most what it moves in this many seconds: each tile
+# waits for the whole report it rides in, and the coordinator gives a tile a deadline of
+# seconds (5 s and 20x its compute: rules/scheduler.py, report_deadline).
+REPORT_SECONDS = 4.0
+UPLOAD_SAMPLE_BYTES = 256 << 10  # reports this large measure the uplink (smaller: the trip)
 MAX_CACHED_IDS = 4096  # the protocol's limit on a work request's `cached`
 UNSIZED_BLOB = 64 * MB  # the download limit of an operand whose size the assignment omits
 QUEUE_SECONDS = 2.0  # the work a host asks for, in seconds of its own compute
@@ -63,23 +68,34 @@ def computes_inline(compute_seconds: float | None) -> bool:
     return compute_seconds is not None and compute_seconds < INLINE_SECONDS
 
 
-def report_batch(pending: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """The reports to send next: the oldest, up to REPORT_BATCH of them and REPORT_BYTES of
+def report_bytes(upload_rate: float | None) -> int:
+    """Tile bytes per report: REPORT_BYTES, or what the host's measured uplink (bytes a
+    second; None: not yet measured) moves in REPORT_SECONDS, if less. Unmeasured, a host
+    sends full reports: a fast one never needs the measure, a slow one has it after one."""
+    if not upload_rate:
+        return REPORT_BYTES
+    return max(1, min(REPORT_BYTES, int(upload_rate * REPORT_SECONDS)))
+
+
+def report_batch(
+    pending: list[dict[str, Any]], max_bytes: int = REPORT_BYTES
+) -> list[dict[str, Any]]:
+    """The reports to send next: the oldest, up to REPORT_BATCH of them and `max_bytes` of
     tiles (at least one). One report per product share rather than per few tiles: each
     report is a round trip, and the coordinator commits it to disk before it answers."""
     size = 0
     for count, report in enumerate(pending[:REPORT_BATCH]):
         size += len(report.get("tile", b""))
-        if size > REPORT_BYTES and count:
+        if size > max_bytes and count:
             return pending[:count]
     return pending[:REPORT_BATCH]
 
 
-def report_due(pending: list[dict[str, Any]], queued: int) -> bool:
+def report_due(pending: list[dict[str, Any]], queued: int, max_bytes: int = REPORT_BYTES) -> bool:
     """Send reports when nothing is left to compute, or when a full batch is waiting."""
     if not pending:
         return False
-    return not queued or len(pending) >= REPORT_BATCH or waiting_bytes(pending) >= REPORT_BYTES
+    return not queued or len(pending) >= REPORT_BATCH or waiting_bytes(pending) >= max_bytes
 
 
 def tile_memory(assignment: dict[str, Any], threads: int) -> int:

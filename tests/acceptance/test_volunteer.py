@@ -333,6 +333,19 @@ def test_reports_go_out_in_batches_bounded_in_results_and_bytes():
     assert report_batch(huge) == huge  # one tile larger than a batch still goes out
 
 
+def test_on_a_slow_uplink_a_report_holds_what_it_moves_in_a_few_seconds():
+    """Every tile waits for the whole report it rides in, and its deadline is seconds: at
+    100 KB/s an 8 MB report (80 s) would let every tile in it miss its deadline."""
+    from volunteer.policy import REPORT_BYTES, REPORT_SECONDS, report_batch, report_bytes
+
+    assert report_bytes(None) == REPORT_BYTES  # not yet measured
+    assert report_bytes(1e9) == REPORT_BYTES  # loopback, a LAN
+    slow = report_bytes(100_000)
+    assert slow == int(100_000 * REPORT_SECONDS)
+    tiles = [{"result_id": f"r{i}", "tile": b"x" * (256 << 10)} for i in range(8)]
+    assert len(report_batch(tiles, slow)) == 1  # a tile of 256 KB is about 2.6 s there
+
+
 async def test_tiles_that_share_a_panel_download_it_once():
     import asyncio
 

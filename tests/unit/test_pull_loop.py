@@ -581,3 +581,30 @@ async def test_a_proxys_page_for_every_download_ends_in_an_error_not_a_retry_for
     done = lambda: len(coordinator.reported) >= 2  # noqa: E731
     loop = await run_until(coordinator, done, gflops=0.0, backoff=quick())
     assert sorted(coordinator.errors) == ["r0", "r1"] and loop.stats.tiles == 0
+
+
+async def test_reports_shrink_to_what_a_slow_uplink_moves_in_a_few_seconds(monkeypatch):
+    """Its uplink measured from a large report, a host sends the next ones no larger than
+    that uplink moves in REPORT_SECONDS, so that no tile waits minutes in a report."""
+    from volunteer import policy
+
+    monkeypatch.setattr(policy, "REPORT_SECONDS", 0.5)  # so that the test takes seconds
+    coordinator = NothingAfterTwoTiles()
+    loop = SlowTiles(coordinator, name="v", cache=BlobCache(1 << 20))  # type: ignore[arg-type]
+    sent: list[int] = []
+    report = coordinator.report
+
+    async def slow_uplink(batch, work):  # 1 MB/s
+        sent.append(len(batch))
+        await asyncio.sleep(sum(len(r.get("tile", b"")) for r in batch) / 1e6)  # its pace
+        return await report(batch, work)
+
+    coordinator.report = slow_uplink  # type: ignore[method-assign]
+    tile = {"hash": None, "tile": b"x" * 100_000}  # 0.1 s each at that pace
+    for first in (0, 10):  # before the uplink is measured, and after
+        loop.pending = [{"result_id": f"r{first + i}", **tile} for i in range(10)]
+        while loop.pending:
+            await loop._flush()
+    assert loop.upload_rate is not None and 0.5e6 < loop.upload_rate < 1.5e6
+    # One report of all ten (1 MB, 1 s); then reports of what 0.5 s moves, about five.
+    assert sent[0] == 10 and sum(sent[1:]) == 10 and max(sent[1:]) <= 6, sent
