@@ -122,5 +122,13 @@ async def test_a_report_nobody_reads_is_given_up_at_its_deadline(monkeypatch):
     monkeypatch.setattr(client_module, "MIN_RATE", 1 << 40)  # the deadline: 0.3 s
     tile = bytes(12 << 20)
     async with SlowReader(rate=0) as url, CoordinatorClient(url, timeout=0.3) as client:
+        sending = asyncio.ensure_future(
+            client.report([{"result_id": "0" * 32, "hash": "0" * 64, "tile": tile}])
+        )
+        # Without the deadline the call would hang: fail then, rather than hang the suite.
+        done, _ = await asyncio.wait([sending], timeout=60)
+        if not done:
+            sending.cancel()
+            pytest.fail("the report was not given up at its deadline")
         with pytest.raises(TimeoutError):
-            await client.report([{"result_id": "0" * 32, "hash": "0" * 64, "tile": tile}])
+            await sending
