@@ -24,14 +24,15 @@ from coordinator.engine.recovery import lost_products
 from coordinator.engine.reports import Reports
 from coordinator.engine.requests import WorkRequests
 from coordinator.engine.retention import Retention
+from coordinator.engine.uplinks import Uplinks
 from coordinator.engine.waiting import Waiting
 from coordinator.rules import trust
 from coordinator.rules.access import Access, admin_token
-from coordinator.rules.scheduler import Scheduler
+from coordinator.rules.scheduler import Scheduler, tile_upload_bytes, too_slow_to_upload
 from coordinator.state.blobs import BlobStore
 from coordinator.state.ledger import Ledger
 from coordinator.state.store import Store
-from coordinator.work.records import GemmState, WuState
+from coordinator.work.records import GemmState, Host, WorkUnit, WuState
 from kernels import nn
 
 __all__ = ["Coordinator", "CoordinatorConfig", "GemmFailed", "GemmOutput"]
@@ -72,7 +73,8 @@ class Coordinator:
         self.requests = WorkRequests(
             config, self.ledger, store, self.scheduler, self.stats, self.blobs
         )
-        self.crowd = CrowdWatch(self.ledger)
+        self.uplinks = Uplinks()
+        self.crowd = CrowdWatch(self.ledger, self.uplinks)
         self.products = Products(config, self.ledger, store, self.blobs, self.crowd)
         self.retention = Retention(self.directory, self.ledger, store, self.blobs)
         self.passes = Passes(
@@ -88,6 +90,7 @@ class Coordinator:
             arrived=self.passes.arrived,
             wake=self.passes.wake,
             crowd=self.crowd,
+            uplinks=self.uplinks,
             hold=self.products.hold,
         )
         self.operator = Operator(self.ledger, self.requests, self.passes, self.products)
@@ -95,11 +98,14 @@ class Coordinator:
         self.products.published = self.passes.wake
         self.passes.after_pass = self.progress.sample_rate
         self.progress.paused = lambda: self.requests.paused
-        self.waiting = Waiting(self.ledger, lambda: self.requests.paused, self._storage_failure)
+        self.waiting = Waiting(
+            self.ledger, lambda: self.requests.paused, self._storage_failure, self._too_slow
+        )
         self.progress.waiting = lambda: self.waiting.current
         self.requests.why_waiting = self.waiting.note
         self.requests.between_products = lambda: self.products.between
         self.requests.crowd = self.crowd.hosts
+        self.requests.upload_per_byte = self.uplinks.per_byte
         self.reports.reported = self.requests.reported
         self.ledger.on_unsent = self.requests.signal_work
         self.ledger.on_quarantined = self._take_back
@@ -109,6 +115,14 @@ class Coordinator:
         # stop() and end early only by failing, which whoever waits on the work must see.
         self.loop: asyncio.Task | None = None
         self._tasks: list[asyncio.Task] = []
+
+    def _too_slow(self, host: Host, wu: WorkUnit) -> float:
+        """Seconds the host's uplink would take to send the work unit's tile, when that is
+        more than a deadline allows (engine/waiting.py); 0.0 when it may take it."""
+        per_byte = self.uplinks.per_byte(host.id)
+        if not per_byte or not too_slow_to_upload(wu, per_byte, self.config.scheduler):
+            return 0.0
+        return tile_upload_bytes(wu) * per_byte
 
     def _sat_on(self, host_id: int, now: float) -> None:
         """A host's tile needed a straggler's spare: a missed deadline for its standing (no

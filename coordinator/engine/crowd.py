@@ -1,11 +1,13 @@
 """The crowd as measured lately: how many hosts, how fast, and what a tile costs them beyond
-its arithmetic (a fixed part, the round trip, and a part per byte moved). Products are cut to
-fit it (rules/sizing.py)."""
+its arithmetic (a fixed part, the round trip, and a part per byte moved), its upload as
+their uplinks were timed (engine/uplinks.py). Products are cut to fit it (rules/sizing.py)."""
 
 from __future__ import annotations
 
 import statistics
+from dataclasses import replace
 
+from coordinator.engine.uplinks import Uplinks
 from coordinator.rules.sizing import Crowd
 from coordinator.state.ledger import Ledger
 
@@ -27,17 +29,24 @@ class CrowdWatch:
     and products for 100 emulated laptops went out as one tile of 512, whose megabyte took
     0.4 s to upload (docs/performance-history.md, the twenty-eighth round)."""
 
-    def __init__(self, ledger: Ledger) -> None:
+    def __init__(self, ledger: Ledger, uplinks: Uplinks | None = None) -> None:
         self.ledger = ledger
+        self.uplinks = uplinks or Uplinks()
         # Per size (the bit length of its bytes): [mean bytes, mean seconds, count, last seen].
         self._sizes: dict[int, list[float]] = {}
         self._hosts: tuple[float, Crowd] | None = None
         self._fitted: tuple[float, int, Crowd] | None = None  # (when, sizes seen, the crowd)
 
-    def observe(self, turnaround: float, compute: float, nbytes: int, now: float = 0.0) -> None:
+    def observe(
+        self, turnaround: float, compute: float, nbytes: int, now: float = 0.0, upload: float = 0.0
+    ) -> None:
         """A result came back at `now`, `turnaround` seconds after it was sent, `compute`
-        of them spent computing (as its host says), its tile having moved `nbytes`."""
-        y = min(max(turnaround - compute, 0.0), 60.0)
+        of them spent computing (as its host says) and about `upload` uploading its tile
+        (its host's uplink as timed: engine/uplinks.py), its tile having moved `nbytes`.
+        The upload is taken out with the compute: a crowd's uplinks are known host by
+        host, and a slow one's minute would read, one size of tile seen, as a minute every
+        tile costs whatever its size (and products would go out as one large tile)."""
+        y = min(max(turnaround - compute - upload, 0.0), 60.0)
         x = float(nbytes)
         size = self._sizes.setdefault(max(nbytes, 1).bit_length(), [x, y, 0.0, now])
         # A running mean at first, then a moving average: the count stops at 1 / WEIGHT.
@@ -77,7 +86,7 @@ class CrowdWatch:
         if fitted is None or not 0 <= now - fitted[0] < REMEMBER or fitted[1] != len(self._sizes):
             overhead, per_byte = self.cost(now)
             seen = self._look(now)
-            crowd = Crowd(seen.hosts, seen.gflops, overhead, seen.memory_bytes, per_byte)
+            crowd = replace(seen, overhead=overhead, seconds_per_byte=per_byte)
             self._fitted = fitted = (now, len(self._sizes), crowd)
         return fitted[2]
 
@@ -88,7 +97,7 @@ class CrowdWatch:
 
     def _look(self, now: float) -> Crowd:
         """The hosts in recent contact, looked at again at most every REMEMBER seconds (the
-        cost fields of what it returns are not filled in)."""
+        fields of the cost line, overhead and seconds_per_byte, are not filled in)."""
         if self._hosts is None or now - self._hosts[0] >= REMEMBER:
             hosts = [
                 h
@@ -96,11 +105,14 @@ class CrowdWatch:
                 if h.in_service and now - h.last_contact <= RECENT
             ]
             memory = [h.max_memory_mb << 20 for h in hosts if h.max_memory_mb]
+            upload, slowest = self.uplinks.typical(h.id for h in hosts)
             looked = Crowd(
                 hosts=max(len(hosts), 1),
                 gflops=statistics.median(h.gflops for h in hosts) if hosts else 1.0,
                 overhead=0.0,
                 memory_bytes=min(memory, default=0),
+                upload_per_byte=upload,
+                slowest_upload_per_byte=slowest,
             )
             self._hosts = (now, looked)
         return self._hosts[1]

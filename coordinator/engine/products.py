@@ -9,10 +9,11 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
+import math
 import time
 from collections import defaultdict
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
@@ -22,7 +23,7 @@ from coordinator.engine.crowd import CrowdWatch
 from coordinator.engine.offload import copy_in_pieces, offload
 from coordinator.engine.operands import OperandIds
 from coordinator.engine.recovery import canonical_tile, panel_ids, panels, restore_panels
-from coordinator.rules import sizing
+from coordinator.rules import scheduler, sizing
 from coordinator.state.blobs import BlobStore
 from coordinator.state.ledger import Ledger
 from coordinator.state.store import Store
@@ -51,6 +52,16 @@ STORAGE_RETRY_MAX = 30.0  # seconds between attempts to store operand panels, at
 FILLED = (WuState.VALIDATED, WuState.ASSIMILATED)
 
 
+def upload_capped(config: CoordinatorConfig) -> sizing.SizingConfig:
+    """The sizing settings, with the longest upload a tile may cost the slowest host from
+    the project's delay_bound (unless they give one)."""
+    if config.sizing.max_upload_seconds != math.inf:
+        return config.sizing
+    delay_bound = config.redundancy.for_policy(config.policy).delay_bound
+    budget = scheduler.upload_budget(delay_bound, config.scheduler)
+    return replace(config.sizing, max_upload_seconds=UPLOAD_SHARE * budget)
+
+
 class GemmFailed(RuntimeError):
     """A work unit of this GEMM failed for good; the message says which and why."""
 
@@ -68,6 +79,10 @@ class GemmOutput:
 # Turns of the loop from a product's future being set to its matmul() running again: the
 # future's callback, then the shield's (Products.matmul).
 HAND_OVER_TURNS = 2
+# A tile's upload takes the crowd's slowest uplink at most this share of what the scheduler
+# lets a host queue (rules/scheduler.py, upload_budget): that host then holds a few tiles
+# at once, and is refused none for its uplink alone.
+UPLOAD_SHARE = 0.25
 BETWEEN_WEIGHT = 0.2  # of each new sample in Products.between, a moving average
 
 
@@ -122,6 +137,7 @@ class Products:
         # volunteer's tile can hide (engine/requests.py, a host far away).
         self.between: float | None = None
         self._handed_at: float | None = None
+        self.sizing = upload_capped(config)
 
     # ---- the training loop's API ---------------------------------------------------------
 
@@ -246,7 +262,7 @@ class Products:
             return config.tile
         replicas = config.redundancy.for_policy(config.policy).target_nresults
         crowd = self.crowd.crowd(now)
-        return sizing.choose_tile(m, n, k, config.tile, crowd, replicas, config.sizing)
+        return sizing.choose_tile(m, n, k, config.tile, crowd, replicas, self.sizing)
 
     async def _attempt(self, describe: Callable[..., str], step: int) -> tuple[str, Gemm | None]:
         """The id of this product's current attempt, with its record if the store has one

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 from collections.abc import Callable
 
 import kernels
@@ -11,7 +12,9 @@ from coordinator.engine.config import CoordinatorConfig
 from coordinator.engine.crowd import CrowdWatch
 from coordinator.engine.metrics import Metrics
 from coordinator.engine.offload import offload
+from coordinator.engine.uplinks import Uplinks
 from coordinator.rules import sizing, trust
+from coordinator.rules.scheduler import UPLOAD_MARGIN
 from coordinator.state.blobs import BlobStore
 from coordinator.state.ledger import Ledger
 from coordinator.state.store import Store
@@ -46,6 +49,7 @@ class Reports:
         wake: Callable[[], None],
         crowd: CrowdWatch,
         hold: Callable[[str, list[str]], None],
+        uplinks: Uplinks | None = None,
     ) -> None:
         self.config = config
         self.ledger = ledger
@@ -56,10 +60,39 @@ class Reports:
         self.arrived = arrived  # a work unit has a new success to validate
         self.wake = wake  # the passes: something changed
         self.crowd = crowd  # learns what a tile costs beyond its arithmetic
+        self.uplinks = uplinks or Uplinks()  # and its upload, each host's (engine/uplinks.py)
         self.hold = hold  # a stored tile is held until its product is done (Products.hold)
         # A host's results in progress went down: its waiting ask may take more
         # (WorkRequests.reported).
         self.reported: Callable[[int], None] = lambda host_id: None
+
+    def arriving(
+        self, host_id: int, got: int, total: int | None, seconds: float, now: float
+    ) -> None:
+        """A report from the host is arriving: `got` of its `total` bytes (None: not said)
+        in `seconds`. Its uplink is timed as it comes, and the results the host held when
+        the body started, which it may carry, do not time out before the rest of it could
+        arrive at that rate (twice the time, and the deadline floor). A host's first tiles
+        are cut before its uplink is known: on a slow one, they would time out while
+        their report is on its way, and be computed and sent again.
+
+        Never past what the body clock allows (server/api.py, BodyClock): a host that
+        trickles its report below body_min_rate is cut off, and its results time out."""
+        self.uplinks.timed(host_id, got, seconds)
+        per_byte = self.uplinks.per_byte(host_id)
+        if not per_byte or total is None:
+            return
+        floor = self.config.scheduler.deadline_floor
+        due = now + UPLOAD_MARGIN * max(total - got, 0) * per_byte + floor
+        started = now - seconds
+        for result_id in list(self.ledger.in_progress_of.get(host_id, ())):
+            result = self.ledger.results[result_id]
+            if (
+                result.sent_time is not None
+                and result.sent_time < started
+                and (result.report_deadline or math.inf) < due
+            ):
+                self.ledger.put_result(result.evolve(report_deadline=due))
 
     async def report(self, host: Host, request: ReportRequest, now: float) -> dict:
         """Accept a batch of results: all entries are checked before any is applied.
@@ -252,7 +285,8 @@ class Reports:
             self.stats["tiles_in"] += 1
             if result.sent_time is not None and not late:
                 moved = sizing.tile_bytes(*wu.shape, upload=has_tile)
-                self.crowd.observe(now - result.sent_time, entry.seconds, moved, now)
+                upload = self.uplinks.per_byte(host.id) * moved if has_tile else 0.0
+                self.crowd.observe(now - result.sent_time, entry.seconds, moved, now, upload)
             what = "tile" if has_tile else "hash"
             message = f"{what} {output_hash[:16]} in {entry.seconds:.2f}s"
             state, message = "success", ("late " if late else "") + message

@@ -112,6 +112,8 @@ class WorkRequests:
         self.between_products: Callable[[], float | None] = lambda: None
         # Hosts in recent contact (engine/crowd.py): each holds its share of a product.
         self.crowd: Callable[[float], int] = lambda now: 1
+        # Seconds a byte takes a host's uplink (engine/uplinks.py; 0.0: free or unknown).
+        self.upload_per_byte: Callable[[int], float] = lambda host_id: 0.0
         self.finished = False  # training is done: every request is told so
         self.told: set[int] = set()  # hosts told that the project is finished
         self.waiters = Waiters()  # long-polling work requests
@@ -212,9 +214,8 @@ class WorkRequests:
             request = replace(request, capacity=0, wait=False)
         # Other hosts get their share of a product: one host does not take all of its tiles
         # while the rest idle or finish their last (sized work cut it for all of them).
-        plan = self.scheduler.plan(
-            host, request, now, others=self.waiters.hosts, crowd=self.crowd(now)
-        )
+        uplink = self.upload_per_byte(host.id)
+        plan = self.scheduler.plan(host, request, now, self.waiters.hosts, self.crowd(now), uplink)
         asked = time.monotonic()
         deadline = asked + self.config.long_poll
         while not plan.assignments and plan.room > 0 and request.wait:
@@ -233,7 +234,7 @@ class WorkRequests:
             now = time.time()
             host = self.ledger.hosts[host.id]
             plan = self.scheduler.plan(
-                host, request, now, others=self.waiters.hosts - 1, crowd=self.crowd(now)
+                host, request, now, self.waiters.hosts - 1, self.crowd(now), uplink
             )
             if not plan.assignments and self.ledger.unsent:
                 # Work is there, but none this host may take (it holds a replica, or lacks
@@ -278,6 +279,12 @@ class WorkRequests:
                 f"{plan.too_big} work unit(s) need more memory than this host offers "
                 f"({host.max_memory_mb} MB); the smallest needs "
                 f"{plan.smallest_need / (1 << 20):.1f} MB: raise --max-memory"
+            )
+        elif plan.too_slow and not assignments:
+            message["note"] = (
+                f"{plan.too_slow} tile(s) would take this volunteer's uplink "
+                f"{plan.slowest_upload:.0f}s or more to send, past what the project's "
+                "delay_bound leaves for uploads; other volunteers take them"
             )
         elif not assignments and (why := self.why_waiting()):
             message["note"] = why

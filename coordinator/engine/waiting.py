@@ -1,5 +1,6 @@
 """Why work waits: a paused project, a blob store that cannot be written, no volunteers,
-volunteers too small for the tiles, or too few of them for the validation policy.
+volunteers too small for the tiles or on uplinks too slow to send them, or too few of them
+for the validation policy.
 
 Checked once a second. A change is said once: a warning in the log when work starts to wait
 (an info line when it flows again) and a `wait` event (`waiting` or `flowing`), so that
@@ -17,7 +18,7 @@ from dataclasses import dataclass
 from coordinator.rules.scheduler import memory_need, takes_replacement
 from coordinator.state.ledger import Ledger
 from coordinator.work.events import Event
-from coordinator.work.records import Outcome, ServerState, ValidateState
+from coordinator.work.records import Host, Outcome, ServerState, ValidateState, WorkUnit
 
 log = logging.getLogger(__name__)
 
@@ -28,7 +29,8 @@ MB = 1 << 20
 
 @dataclass(frozen=True, slots=True)
 class Wait:
-    reason: str  # paused | storage | no_volunteers | hosts_too_small | needs_hosts
+    # paused | storage | no_volunteers | hosts_too_small | hosts_too_slow | needs_hosts
+    reason: str
     message: str
     tiles: int = 0  # results waiting to be sent
     since: float = 0.0
@@ -42,9 +44,17 @@ class Wait:
         }
 
 
-def explain(ledger: Ledger, paused: bool, now: float, storage: str | None = None) -> Wait | None:
+def explain(
+    ledger: Ledger,
+    paused: bool,
+    now: float,
+    storage: str | None = None,
+    too_slow: Callable[[Host, WorkUnit], float] = lambda host, wu: 0.0,
+) -> Wait | None:
     """Why the unsent work is not going out, or None when it is (or there is none).
-    `storage`: what the blob store's writer last failed with, if it is failing."""
+    `storage`: what the blob store's writer last failed with, if it is failing.
+    `too_slow(host, wu)`: the seconds the host's uplink would take to send the work
+    unit's tile when that is past what a deadline allows (rules/scheduler.py), else 0."""
     if paused:
         return Wait(
             "paused",
@@ -71,8 +81,9 @@ def explain(ledger: Ledger, paused: bool, now: float, storage: str | None = None
             "(start one: tilehive volunteer start URL)",
             waiting,
         )
-    too_small = held = quorum = 0
+    too_small = held = quorum = slow = 0
     need = 0
+    fastest = 0.0  # the least seconds a connected host's uplink needs for a tile it cannot send
     policy = ""
     for result_id in itertools.islice(ledger.unsent, SAMPLE):
         result = ledger.results.get(result_id)
@@ -84,13 +95,20 @@ def explain(ledger: Ledger, paused: bool, now: float, storage: str | None = None
         wants = memory_need(wu, ledger.panel_bytes)
         holders = ledger.hosts_of_wu.get(wu.id, set())
         fits = False
+        upload = 0.0  # the least seconds a host that has the memory needs to send it
         for h in hosts:  # usually the first host settles it: with many, work flows
             if h.max_memory_mb and wants > h.max_memory_mb * MB:
+                continue
+            if seconds := too_slow(h, wu):
+                upload = min(upload or seconds, seconds)
                 continue
             fits = True
             if h.id not in holders or takes_replacement(h, wu, ledger.results_for(wu.id)):
                 return None  # a connected host may take it: work flows
-        if not fits:
+        if upload and not fits:
+            slow += 1
+            fastest = max(fastest, upload)
+        elif not fits:
             too_small += 1
             need = max(need, wants)
         else:
@@ -103,6 +121,15 @@ def explain(ledger: Ledger, paused: bool, now: float, storage: str | None = None
             f"work waits for a larger volunteer: a tile needs {need / MB:.1f} MB and the "
             f"largest connected volunteer offers {largest} MB for work (raise its "
             "--max-memory, or lower the project's work.tile)",
+            waiting,
+        )
+    if slow >= held and slow:
+        return Wait(
+            "hosts_too_slow",
+            f"work waits for a faster uplink: a tile would take {fastest:.0f}s to send from "
+            "the fastest connected volunteer that could compute it, longer than the "
+            "project's work.delay_bound allows for uploads (raise it, lower work.tile, or "
+            "start a volunteer on a faster link)",
             waiting,
         )
     if held:
@@ -134,10 +161,12 @@ class Waiting:
         ledger: Ledger,
         paused: Callable[[], bool],
         storage: Callable[[], str | None] = lambda: None,
+        too_slow: Callable[[Host, WorkUnit], float] = lambda host, wu: 0.0,
     ) -> None:
         self.ledger = ledger
         self.paused = paused  # the Coordinator's switch
         self.storage = storage  # the blob store's failure, as a message, or None
+        self.too_slow = too_slow  # a host's uplink too slow for a tile (explain)
         self.current: Wait | None = None
         self._seen: str | None = None  # the reason found by the previous look
 
@@ -145,7 +174,7 @@ class Waiting:
         """Look again; True when the reason changed (and was logged). A new reason counts
         once two looks in a row find it (a moment between two products is no wait); a
         pause, the operator's own doing, and the end of a wait count at once."""
-        found = explain(self.ledger, self.paused(), now, self.storage())
+        found = explain(self.ledger, self.paused(), now, self.storage(), self.too_slow)
         reason = found.reason if found is not None else None
         seen, self._seen = self._seen, reason
         before = self.current

@@ -5,6 +5,9 @@ BOINC's rules and the fixes for what its users complain about:
   except the replacement of a single-replica work unit's timed-out replica (below);
 - a host has an in-progress quota, cut when it returns invalid or no results, and sized in
   seconds of work once it has a long valid record (small tiles cost no round trip each);
+- a host on a slow uplink holds no more tiles than it can upload well within the project's
+  delay_bound, and each tile's deadline waits for the uploads queued before it (its
+  uplink as the coordinator timed its reports: engine/uplinks.py);
 - results whose operand panels the host has cached come first (the bytes saved are counted);
 - the host lists what it is working on, so an assignment whose reply was lost is sent again
   and one the coordinator no longer needs is aborted: no ghost tasks;
@@ -49,6 +52,10 @@ from coordinator.work.records import (
 # one that does not hold the work unit already, half the time), and a spare is worth
 # giving to any host far faster than the one sitting on its tile.
 SPARE_SPEED_SHARE = 0.5
+# A tile's deadline gives the uploads queued on its host's uplink, its own included, this
+# many times the time they take at the uplink's measured rate: a rate is measured on a few
+# reports, and an uplink is shared with whatever else its owner sends.
+UPLOAD_MARGIN = 2.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -82,6 +89,14 @@ class Assignment:
 
 
 @dataclass(slots=True)
+class Uplink:
+    """A host's uplink while a plan fills it: seconds a byte, and the bytes queued on it."""
+
+    per_byte: float
+    queued: int
+
+
+@dataclass(slots=True)
 class Plan:
     """A work request's answer: new or resent assignments, results to abort, bytes saved."""
 
@@ -91,14 +106,39 @@ class Plan:
     events: list[Event] = field(default_factory=list)
     room: int = 0  # how many more results the host could take (capacity and quota)
     too_big: int = 0  # work units skipped because they need more memory than the host has
+    too_slow: int = 0  # tiles skipped because the host's uplink could not send one in time
+    slowest_upload: float = 0.0  # seconds the host's uplink takes for the smallest of those
     held_back: int = 0  # unsent results of products whose share the host already holds
     smallest_need: int = 0  # bytes the smallest of those needs
 
 
-def report_deadline(wu: WorkUnit, host: Host, now: float, config: SchedulerConfig) -> float:
-    """From delay_bound and the host's measured speed: never later than delay_bound."""
+def report_deadline(
+    wu: WorkUnit, host: Host, now: float, config: SchedulerConfig, uploads: float = 0.0
+) -> float:
+    """From delay_bound, the host's measured speed and `uploads`, the seconds its uplink
+    needs for the tiles it is to upload up to and including this one: never later than
+    delay_bound."""
     expected = wu.flops / max(host.gflops, 1e-3) / 1e9
-    return now + min(wu.delay_bound, config.deadline_floor + config.deadline_slack * expected)
+    allowed = config.deadline_floor + config.deadline_slack * expected + UPLOAD_MARGIN * uploads
+    return now + min(wu.delay_bound, allowed)
+
+
+def upload_budget(delay_bound: float, config: SchedulerConfig) -> float:
+    """Seconds of uploads a host may have queued, a new tile's included: what leaves the
+    tile's deadline (report_deadline) inside delay_bound, with room for the floor."""
+    return max(delay_bound - config.deadline_floor, 0.0) / UPLOAD_MARGIN
+
+
+def tile_upload_bytes(wu: WorkUnit) -> int:
+    """Bytes of a work unit's tile, float32: what a replica that uploads it sends."""
+    m, n, _ = wu.shape
+    return 4 * m * n
+
+
+def too_slow_to_upload(wu: WorkUnit, per_byte: float, config: SchedulerConfig) -> bool:
+    """Whether an uplink of `per_byte` seconds a byte takes longer to send the tile alone
+    than a host may have queued (upload_budget): no deadline would hold."""
+    return tile_upload_bytes(wu) * per_byte > upload_budget(wu.delay_bound, config)
 
 
 def idle_delay(idle_hosts: int, waited: float, base: float, asks_per_s: float, cap: float) -> float:
@@ -221,14 +261,23 @@ class Scheduler:
         self.rng = rng
 
     def plan(
-        self, host: Host, request: WorkRequest, now: float, others: int = 0, crowd: int = 1
+        self,
+        host: Host,
+        request: WorkRequest,
+        now: float,
+        others: int = 0,
+        crowd: int = 1,
+        upload_per_byte: float = 0.0,
     ) -> Plan:
         """`others`: how many other hosts want work just now; this one then takes no more
         than its share of each product's unsent results. `crowd`: the hosts in recent
         contact, whom products are cut for (engine/crowd.py); this one holds no more than
         its share of each product's results, whether or not the others are asking at this
-        moment (they are uploading their last tiles, say, a round trip from asking)."""
+        moment (they are uploading their last tiles, say, a round trip from asking).
+        `upload_per_byte`: seconds a byte takes the host's uplink (0: not measured, or
+        too fast to matter)."""
         plan = Plan()
+        uplink = Uplink(upload_per_byte, self._queued_bytes(host) if upload_per_byte else 0)
         ledger = self.ledger
         listed = set(request.in_progress)
         for result_id in request.in_progress:
@@ -285,9 +334,11 @@ class Scheduler:
                 gemm = self._gemm_of(result_id)
                 if gemm is not None and taken.get(gemm, 0) >= shares.get(gemm, 0):
                     continue
-            assignment = self._try_assign(host, result_id, now, plan, held=in_progress)
+            assignment = self._try_assign(host, result_id, now, plan, in_progress, uplink)
             if assignment is None:
                 continue
+            if assignment.result.upload_tile:
+                uplink.queued += tile_upload_bytes(assignment.wu)
             saved = {assignment.wu.a_panel, assignment.wu.b_panel} & cached
             plan.bytes_saved += sum(ledger.panel_bytes.get(p, 0) for p in saved)
             plan.assignments.append(assignment)
@@ -329,6 +380,16 @@ class Scheduler:
                 held[gemm] = held.get(gemm, 0) + 1
         return held
 
+    def _queued_bytes(self, host: Host) -> int:
+        """Bytes of the tiles the host holds and is to upload: its uplink's queue."""
+        ledger = self.ledger
+        queued = 0
+        for result_id in ledger.in_progress_of.get(host.id, ()):
+            result = ledger.results[result_id]
+            if result.upload_tile:
+                queued += tile_upload_bytes(ledger.wus[result.wu_id])
+        return queued
+
     def _gemm_of(self, result_id: str) -> str | None:
         result = self.ledger.results.get(result_id)
         wu = self.ledger.wus.get(result.wu_id) if result is not None else None
@@ -347,7 +408,9 @@ class Scheduler:
         yield from sorted(scores, key=lambda r: -scores[r])
         yield from (r for r in list(ledger.unsent) if r not in scores)
 
-    def _try_assign(self, host: Host, result_id: str, now: float, plan: Plan, held: int):
+    def _try_assign(
+        self, host: Host, result_id: str, now: float, plan: Plan, held: int, uplink: Uplink
+    ):
         ledger = self.ledger
         result = ledger.results.get(result_id)
         if result is None or result.server_state is not ServerState.UNSENT:
@@ -378,16 +441,31 @@ class Scheduler:
                 plan.too_big += 1
                 plan.smallest_need = min(plan.smallest_need or need, need)
                 return None
+        # Before _maybe_trust, which records its choice: a work unit it could send alone
+        # has no replica out yet, so wants_tile already holds for it.
+        upload_tile = (
+            wants_tile(siblings)
+            or wu.min_quorum <= 1
+            or wu.accelerated
+            or not self.config.hash_only_replicas
+        )
+        uploads = 0.0  # seconds of uploads queued on the host's uplink up to this tile's
+        if upload_tile and uplink.per_byte:
+            if too_slow_to_upload(wu, uplink.per_byte, self.config):
+                alone = tile_upload_bytes(wu) * uplink.per_byte
+                plan.too_slow += 1
+                plan.slowest_upload = min(plan.slowest_upload or alone, alone)
+                return None
+            uploads = (uplink.queued + tile_upload_bytes(wu)) * uplink.per_byte
+            if uploads > upload_budget(wu.delay_bound, self.config):
+                return None  # its uplink's queue is full: more as it reports
         wu = self._maybe_trust(host, wu, siblings, now, plan)
         result = result.evolve(
             host_id=host.id,
             server_state=ServerState.IN_PROGRESS,
             sent_time=now,
-            report_deadline=report_deadline(wu, host, now, self.config),
-            upload_tile=wants_tile(siblings)
-            or wu.min_quorum <= 1
-            or wu.accelerated
-            or not self.config.hash_only_replicas,
+            report_deadline=report_deadline(wu, host, now, self.config, uploads),
+            upload_tile=upload_tile,
         )
         ledger.put_result(result)
         if result.report_deadline < wu.transition_time:

@@ -36,7 +36,11 @@ class Crowd:
     gflops: float  # their median measured speed
     overhead: float  # seconds a tile costs a host beyond its arithmetic and its bytes
     memory_bytes: int = 0  # the smallest memory for work among them; 0: no limit given
-    seconds_per_byte: float = 0.0  # moving a tile's panels down and the tile up
+    seconds_per_byte: float = 0.0  # moving a tile's panels down (and the round trip's rest)
+    # Uploading a tile, a byte, as the coordinator timed the hosts' reports
+    # (engine/uplinks.py): the median host's uplink, and the slowest one's.
+    upload_per_byte: float = 0.0
+    slowest_upload_per_byte: float = 0.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -45,6 +49,10 @@ class SizingConfig:
     # number of hosts shares: measured at about 1 ms (docs/performance.md).
     coordinator_seconds: float = 0.001
     max_tile_bytes: int = 16 << 20  # the largest output tile, whatever the crowd
+    # Seconds the slowest uplink in the crowd may take to upload one tile: a share of what
+    # the scheduler lets a host queue (rules/scheduler.py, upload_budget), so that it holds
+    # a few tiles and is never refused every one (infinite: no cap).
+    max_upload_seconds: float = math.inf
 
 
 def tile_memory(tm: int, tn: int, k: int) -> int:
@@ -67,6 +75,7 @@ def tile_seconds(tm: int, tn: int, k: int, crowd: Crowd) -> float:
         2.0 * tm * tn * k / (max(crowd.gflops, 1e-3) * 1e9)
         + crowd.overhead
         + crowd.seconds_per_byte * tile_bytes(tm, tn, k)
+        + crowd.upload_per_byte * 4 * tm * tn
     )
 
 
@@ -91,7 +100,7 @@ def choose_tile(
 ) -> int:
     """The tile for an m x n x k product: `floor` (the project's tile) times a power of two,
     from `floor` / 2**HALVINGS (at least MIN_TILE) to no larger than the product, its blob
-    limit or the crowd's memory allows. `floor` itself is always allowed."""
+    limit, the crowd's memory or its slowest uplink allow. `floor` itself when none fits."""
     candidates = [floor >> i for i in range(HALVINGS, 0, -1) if floor >> i >= MIN_TILE]
     candidates.append(floor)
     while candidates[-1] < max(m, n):
@@ -101,9 +110,11 @@ def choose_tile(
         tm, tn = min(tile, m), min(tile, n)
         if 4 * tm * tn > config.max_tile_bytes:
             return False
+        if 4 * tm * tn * crowd.slowest_upload_per_byte > config.max_upload_seconds:
+            return False
         return not crowd.memory_bytes or tile_memory(tm, tn, k) <= crowd.memory_bytes
 
-    usable = [floor] + [t for t in candidates if t != floor and fits(t)]
+    usable = [t for t in candidates if fits(t)] or [floor]
     times = {t: estimate(m, n, k, t, crowd, replicas, config) for t in usable}
     best = min(times.values())
     return max(t for t, seconds in times.items() if seconds <= best * SLACK)

@@ -117,10 +117,11 @@ async def measured(request: web.Request, handler: Handler) -> web.StreamResponse
 
 
 async def read_body(
-    request: web.Request, limit: int, heard: Callable[[], None] | None = None
+    request: web.Request, limit: int, heard: Callable[[int, float], None] | None = None
 ) -> dict:
     """The request's msgpack map (plain, or framed: kernels/frames.py), refusing other media
-    types and bodies over `limit`; `heard()` now and then while a long body arrives."""
+    types and bodies over `limit`; `heard(bytes, seconds)` now and then while a long body
+    arrives, with the bytes arrived so far and the seconds they took."""
     if request.content_type not in (protocol.CONTENT_TYPE, frames.CONTENT_TYPE):
         raise UnsupportedMediaType(
             f"send the body as {protocol.CONTENT_TYPE} or {frames.CONTENT_TYPE}, not "
@@ -157,11 +158,12 @@ class BodyClock:
     """How long a request body may take to arrive: `grace` seconds, and one second more
     for each `min_rate` bytes that have arrived. A report from a slow uplink gets through
     however large it is; a client that drips a body to hold a connection and its buffer
-    (slowloris) is cut off once it falls below the rate. `heard()` is called each `step`
-    while bytes arrive: a host minutes into a report is in contact, not silent."""
+    (slowloris) is cut off once it falls below the rate. `heard(bytes, seconds)` is called
+    each `step` while bytes arrive: a host minutes into a report is in contact, not silent,
+    and its uplink is timed as the body comes."""
 
     def __init__(
-        self, grace: float, min_rate: float, heard: Callable[[], None] | None = None
+        self, grace: float, min_rate: float, heard: Callable[[int, float], None] | None = None
     ) -> None:
         self.grace = grace
         self.min_rate = min_rate
@@ -183,7 +185,7 @@ class BodyClock:
                 now = asyncio.get_running_loop().time()
                 if now - self.heard_at >= self.step:
                     self.heard_at = now
-                    self.heard()
+                    self.heard(got, now - self.started)
             deadline = self.deadline(got)
             when = timer.when()
             # A step at a time: a body comes in hundreds of chunks, and each move is a
@@ -350,11 +352,20 @@ async def report(request: web.Request) -> web.Response:
     co.neighbours.saw(host, on_this_machine(request), time.time())
 
     # A large report over a slow uplink takes minutes: its host is in contact meanwhile, not
-    # missing from the count of connected volunteers that says why work waits.
-    def heard() -> None:
-        co.hosts.heard_from(host.id, time.time())
+    # missing from the count of connected volunteers that says why work waits, and the
+    # results it may carry do not time out while it arrives (Reports.arriving).
+    def heard(got: int, seconds: float) -> None:
+        now = time.time()
+        co.hosts.heard_from(host.id, now)
+        co.reports.arriving(host.id, got, request.content_length, seconds, now)
 
-    message = protocol.parse_report(await read_body(request, co.config.max_report_bytes, heard))
+    started = asyncio.get_running_loop().time()
+    body = await read_body(request, co.config.max_report_bytes, heard)
+    # Its uplink, as the body took to arrive (engine/uplinks.py: large bodies only).
+    co.uplinks.timed(
+        host.id, request.content_length or 0, asyncio.get_running_loop().time() - started
+    )
+    message = protocol.parse_report(body)
     summary = await co.reports.report(host, message, time.time())
     summary.update(local_offer(request))
     if message.work is None:

@@ -245,6 +245,13 @@ def _name(co: Coordinator, host_id: int | None) -> str:
     return host.name if host is not None else str(host_id)
 
 
+def uplink(rate: float | None) -> str:
+    """A host's uplink as timed by the coordinator, for the hosts table."""
+    if rate is None:
+        return "-"
+    return f"{rate / 1e6:.1f} MB/s" if rate >= 1e6 else f"{rate / 1e3:.0f} KB/s"
+
+
 def host_table(co: Coordinator, now: float) -> str:
     """The hosts, most valid results first, the first HOSTS_SHOWN of them, and totals."""
     e = html.escape
@@ -252,6 +259,7 @@ def host_table(co: Coordinator, now: float) -> str:
     rows = "".join(
         f"<tr class='{'quarantined' if h.quarantined else 'ok'}'>"
         f"<td class='l'>{e(h.name)}</td><td>{h.id}</td><td>{h.gflops:.1f}</td>"
+        f"<td>{uplink(co.uplinks.rate(h.id))}</td>"
         f"<td>{h.consecutive_valid}</td><td>{h.valid_count}</td><td>{h.invalid_count}</td>"
         f"<td>{h.error_count}</td><td>{h.max_in_progress}</td>"
         f"<td>{now - h.last_contact:.0f}s ago</td>"
@@ -259,14 +267,14 @@ def host_table(co: Coordinator, now: float) -> str:
         for h in every[:HOSTS_SHOWN]
     )
     more = (
-        f"<tr><td class='l' colspan='10'>... and {len(every) - HOSTS_SHOWN} more hosts</td></tr>"
+        f"<tr><td class='l' colspan='11'>... and {len(every) - HOSTS_SHOWN} more hosts</td></tr>"
         if len(every) > HOSTS_SHOWN
         else ""
     )
     quarantined = sum(1 for h in every if h.quarantined)
     totals = (
         f"<tr class='totals'><td class='l'>all {len(every)} hosts</td><td></td>"
-        f"<td>{sum(h.gflops for h in every):.1f}</td><td></td>"
+        f"<td>{sum(h.gflops for h in every):.1f}</td><td></td><td></td>"
         f"<td>{sum(h.valid_count for h in every)}</td>"
         f"<td>{sum(h.invalid_count for h in every)}</td>"
         f"<td>{sum(h.error_count for h in every)}</td><td></td><td></td>"
@@ -275,6 +283,7 @@ def host_table(co: Coordinator, now: float) -> str:
     return (
         "<table id='hosts'><tr><th class='l'>name</th><th>id</th>"
         "<th title='measured by the volunteer when it started'>benchmark GFLOPS</th>"
+        "<th title='as its reports of 256 KB or more took to arrive'>uplink</th>"
         "<th>trust (CV)</th><th>valid</th><th>invalid</th><th>errors</th>"
         "<th>quota</th><th>last contact</th><th class='l'>state</th></tr>"
         + rows

@@ -11,12 +11,15 @@ import pytest
 
 from coordinator.rules import trust
 from coordinator.rules.scheduler import (
+    UPLOAD_MARGIN,
     Plan,
     Scheduler,
     SchedulerConfig,
     idle_delay,
     report_deadline,
     stale_panels,
+    too_slow_to_upload,
+    upload_budget,
     waits_for_the_loop,
     wants_tile,
 )
@@ -546,6 +549,102 @@ def test_an_assignment_carries_its_deadline_and_the_wu_is_due_by_then(gflops):
     assert assignment.result.server_state is ServerState.IN_PROGRESS
     assert ledger.wus["wu-1"].transition_time == expected
     assert ledger.next_due() == expected
+
+
+# ---- a slow uplink ---------------------------------------------------------------------------
+
+UPLINK = 1e-5  # seconds a byte: 100 KB/s, a home uplink
+
+
+def freivalds_tiles(count: int, size: int) -> list[WorkUnit]:
+    """Work units of one replica each, every replica uploading its tile of size x size."""
+    return [
+        make_wu(i, size=(size, size, 64), policy=Policy.FREIVALDS, target_nresults=1, min_quorum=1)
+        for i in range(count)
+    ]
+
+
+def test_a_slow_uplinks_deadlines_wait_for_the_uploads_queued_before_them():
+    """Each tile of 256 KB takes 2.6 s to upload at 100 KB/s, one after another: the n-th
+    tile's deadline allows twice the n uploads on top of its compute's, not the compute's
+    alone (5 s, which every tile of a queue would miss)."""
+    wus = freivalds_tiles(4, 256)
+    host = make_host(1, gflops=1_000.0)
+    ledger = make_ledger(wus, replicas=1, hosts=[host])
+
+    plan = scheduler(ledger).plan(host, request(), NOW, upload_per_byte=UPLINK)
+
+    upload = 4 * 256 * 256 * UPLINK
+    deadlines = sorted(a.result.report_deadline - NOW for a in plan.assignments)
+    compute = report_deadline(wus[0], host, NOW, CONFIG) - NOW
+    assert deadlines == pytest.approx([compute + UPLOAD_MARGIN * n * upload for n in (1, 2, 3, 4)])
+
+
+def test_a_slow_uplink_holds_no_more_tiles_than_it_can_send_in_time():
+    """delay_bound 60 s leaves (60 - 5) / 2 = 27.5 s of uploads queued: tiles of 1 MB take
+    10.5 s each at 100 KB/s, so the host holds two, and a third once it reported one."""
+    wus = freivalds_tiles(5, 512)
+    host = make_host(1, gflops=1_000.0)
+    ledger = make_ledger(wus, replicas=1, hosts=[host])
+    budget = upload_budget(60.0, CONFIG)
+    assert budget == pytest.approx(27.5)
+
+    plan = scheduler(ledger).plan(host, request(), NOW, upload_per_byte=UPLINK)
+
+    assert len(plan.assignments) == 2
+    assert all(a.result.report_deadline - NOW <= 60.0 for a in plan.assignments)
+    assert plan.too_slow == 0  # held back by its queue, not refused
+    # One reported: its place on the uplink is free again.
+    done = plan.assignments[0].result
+    ledger.put_result(done.evolve(server_state=ServerState.OVER, outcome=Outcome.SUCCESS))
+    held = [a.result.id for a in plan.assignments[1:]]
+    again = scheduler(ledger).plan(host, request(in_progress=held), NOW, upload_per_byte=UPLINK)
+    assert len(again.assignments) == 1
+
+
+def test_a_tile_the_uplink_cannot_send_before_any_deadline_is_refused_and_counted():
+    """A 4 MB tile takes 42 s at 100 KB/s, past the 27.5 s a deadline within delay_bound
+    leaves: the host is not given it (it would time out, be sent again, and time out)."""
+    wus = freivalds_tiles(1, 1024)
+    host = make_host(1, gflops=1_000.0)
+    ledger = make_ledger(wus, replicas=1, hosts=[host])
+
+    plan = scheduler(ledger).plan(host, request(), NOW, upload_per_byte=UPLINK)
+
+    assert plan.assignments == []
+    assert plan.too_slow == 1
+    assert plan.slowest_upload == pytest.approx(4 * 1024 * 1024 * UPLINK)
+    assert too_slow_to_upload(wus[0], UPLINK, CONFIG)
+    assert not too_slow_to_upload(wus[0], UPLINK / 2, CONFIG)  # 21 s: it fits
+
+
+def test_a_slow_uplink_still_takes_replicas_that_upload_only_a_hash():
+    """Under quorum, the second replica of a tile uploads its hash alone: the uplink does
+    not limit it, nor lengthen its deadline."""
+    wu = make_wu(1, size=(1024, 1024, 64))
+    uploader = make_host(2, gflops=1_000.0)
+    host = make_host(1, gflops=1_000.0)
+    ledger = make_ledger([wu], hosts=[host, uploader])
+    ledger.put_result(sent_to(wu, 2, 0, upload_tile=True))
+
+    plan = scheduler(ledger).plan(host, request(), NOW, upload_per_byte=UPLINK)
+
+    (assignment,) = plan.assignments
+    assert not assignment.result.upload_tile
+    assert assignment.result.report_deadline == report_deadline(wu, host, NOW, CONFIG)
+
+
+def test_an_unmeasured_uplink_changes_nothing():
+    wus = freivalds_tiles(4, 1024)
+    host = make_host(1, gflops=1_000.0)
+    ledger = make_ledger(wus, replicas=1, hosts=[host])
+
+    plan = scheduler(ledger).plan(host, request(), NOW)
+
+    assert len(plan.assignments) == 4
+    assert {a.result.report_deadline for a in plan.assignments} == {
+        report_deadline(wus[0], host, NOW, CONFIG)
+    }
 
 
 # ---- adaptive replication ------------------------------------------------------------------

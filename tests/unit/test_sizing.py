@@ -3,20 +3,23 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import time
 import types
 
 import msgpack
 import numpy as np
+import pytest
 
 import kernels
 from coordinator.engine.config import CoordinatorConfig
 from coordinator.engine.coordinator import Coordinator
 from coordinator.engine.crowd import FIRST_OVERHEAD, CrowdWatch
+from coordinator.engine.uplinks import Uplinks
 from coordinator.rules.sizing import Crowd, SizingConfig, choose_tile, tile_memory
 from coordinator.state.memory import MemoryStore
 from coordinator.work.protocol import RegisterRequest, ReportRequest, ResultReport, WorkRequest
-from coordinator.work.records import Policy
+from coordinator.work.records import Host, Policy
 from tests.factories import bits, operands
 
 CONFIG = SizingConfig()
@@ -122,6 +125,53 @@ def test_the_coordinators_own_work_per_result_keeps_tiles_from_being_tiny():
 def test_the_floor_is_kept_even_when_nothing_larger_fits():
     crowd = Crowd(hosts=1, gflops=50.0, overhead=0.01, memory_bytes=1)
     assert choose_tile(1024, 1024, 1024, 64, crowd, 2, CONFIG) == 64
+
+
+def test_the_slowest_uplink_caps_the_tile():
+    """One fast host takes a 2048 x 2048 product whole on loopback; at 100 KB/s up, its
+    16 MB would take minutes to send, and tiles of 256 (2.6 s each) are the largest whose
+    upload fits the cap."""
+    fast = Crowd(hosts=1, gflops=50.0, overhead=0.01)
+    slow = dataclasses.replace(fast, upload_per_byte=1e-5, slowest_upload_per_byte=1e-5)
+    capped = dataclasses.replace(CONFIG, max_upload_seconds=6.875)
+    assert choose_tile(2048, 2048, 512, 256, fast, 1, capped) == 2048
+    assert choose_tile(2048, 2048, 512, 256, slow, 1, capped) == 256
+    # 10 KB/s: the project's tile would take 26 s; half of it, 6.6 s, fits.
+    slower = dataclasses.replace(slow, slowest_upload_per_byte=1e-4)
+    assert choose_tile(2048, 2048, 512, 256, slower, 1, capped) == 128
+
+
+def test_a_crowd_on_slow_uplinks_shares_a_product_it_would_otherwise_take_in_few_tiles():
+    """Ten hosts, compute and round trips cheap: over loopback a product goes out in a few
+    large tiles; at 100 KB/s up each, its upload is what takes the time, and every host
+    gets a part of it to send."""
+    hosts = Crowd(hosts=10, gflops=50.0, overhead=0.01)
+    uplinks = dataclasses.replace(hosts, upload_per_byte=1e-5)
+    few = choose_tile(2048, 2048, 512, 256, hosts, 1, CONFIG)
+    shared = choose_tile(2048, 2048, 512, 256, uplinks, 1, CONFIG)
+    assert (2048 // few) ** 2 < 10 <= (2048 // shared) ** 2
+
+
+def test_the_crowd_watch_takes_each_hosts_upload_out_of_what_a_tile_costs():
+    """A slow uplink's minute is its own (engine/uplinks.py), not a cost every tile pays:
+    left in, one size seen, it read as a minute of overhead a tile, and a product went out
+    as one tile (the fewest overheads)."""
+    watch = CrowdWatch(ledger=None)
+    for _ in range(10):
+        watch.observe(60.5 + 0.03, 0.5, 4_000_000, upload=60.0)
+    assert watch.cost() == (pytest.approx(0.03), 0.0)
+
+
+def test_the_crowd_has_its_hosts_typical_and_slowest_uplinks():
+    hosts = {i: Host(i, f"h{i}", f"t{i}", 0.0, last_contact=100.0, gflops=10.0) for i in (1, 2, 3)}
+    uplinks = Uplinks()
+    uplinks.timed(1, 1_000_000, 10.0)  # 100 KB/s
+    uplinks.timed(2, 1_000_000, 1.0)  # 1 MB/s
+    watch = CrowdWatch(types.SimpleNamespace(hosts=hosts), uplinks)  # host 3: not measured
+    crowd = watch.crowd(100.0)
+    assert crowd.hosts == 3
+    assert crowd.upload_per_byte == pytest.approx(1e-6)
+    assert crowd.slowest_upload_per_byte == pytest.approx(1e-5)
 
 
 async def test_a_product_cut_for_the_crowd_has_the_kernels_bits(tmp_path, rng):
