@@ -54,6 +54,8 @@ class Uplinks:
         """(median, largest) seconds a byte over the hosts: the typical uplink that sizes
         a product's tiles, and the slowest, which caps them. Hosts not measured, or
         free, count as 0."""
+        if not self._per_byte:  # nothing timed yet: no host's uplink to look up
+            return 0.0, 0.0
         per_byte = [self.per_byte(h) for h in host_ids]
         if not per_byte:
             return 0.0, 0.0
