@@ -26,6 +26,7 @@ ACCEPT = f"{frames.CONTENT_TYPE}, {CONTENT_TYPE}"  # framed answers preferred
 # arrive. A whole write has its unsent rest copied into fresh memory, a read's chunks are
 # joined again: on loopback both cost 3x the time (benchmarks/transfer.py).
 PIECE_BYTES = 1 << 20
+PACE_BYTES = 64 << 10  # a paced body's piece: a 256 KB report arrives in four
 # A call is given its timeout and a second more for each MIN_RATE bytes its body and its
 # reply carry: a large report over a slow uplink arrives, as the coordinator allows it to
 # (body_min_rate, the same 16 KiB/s), and so do panels over a slow downlink.
@@ -100,6 +101,10 @@ class CoordinatorClient:
         self.local: str | None = None  # the local socket talked through, if any
         self._unreachable: set[str] = set()  # local socket names that did not answer
         self._retired: list[aiohttp.ClientSession] = []  # TCP's, closed with the client
+        # Emulated links only (volunteer/emulator.py): awaited with each PACE_BYTES of a
+        # request body before it is sent, so that the body arrives at the link's pace and
+        # the coordinator times the uplink it models (engine/uplinks.py).
+        self.pace: Callable[[int], Awaitable[None]] | None = None
 
     async def __aenter__(self) -> CoordinatorClient:
         return self
@@ -193,9 +198,14 @@ class CoordinatorClient:
             parts = [msgpack.packb(message, use_bin_type=True)]
         size = sum(memoryview(part).nbytes for part in parts)
         data: bytes | AsyncIterator[memoryview] = parts[0]
-        if len(parts) > 1 or size >= PIECE_BYTES:  # a report of tiles
+        if self.pace is not None and size >= PACE_BYTES:
+            data = in_pieces(parts, PACE_BYTES, self.pace)
+            headers["Content-Length"] = str(size)
+        elif len(parts) > 1 or size >= PIECE_BYTES:  # a report of tiles
             data = in_pieces(parts)
             headers["Content-Length"] = str(size)
+        if self.pace is not None and size < PACE_BYTES:
+            await self.pace(size)
         async with (
             asyncio.timeout(self.allowed(size)) as deadline,
             self.session.post(self.url + path, data=data, headers=headers) as resp,
@@ -336,13 +346,20 @@ class CoordinatorClient:
         return await self._call(once)
 
 
-async def in_pieces(parts: list[bytes | memoryview]) -> AsyncIterator[memoryview]:
-    """A request body of several buffers for aiohttp, PIECE_BYTES at a time (each sent once
-    the last drained)."""
+async def in_pieces(
+    parts: list[bytes | memoryview],
+    piece: int = PIECE_BYTES,
+    pace: Callable[[int], Awaitable[None]] | None = None,
+) -> AsyncIterator[memoryview]:
+    """A request body of several buffers for aiohttp, `piece` bytes at a time (each sent
+    once the last drained), each after `pace(its bytes)` if given."""
     for part in parts:
         view = memoryview(part).cast("B")
-        for start in range(0, len(view), PIECE_BYTES):
-            yield view[start : start + PIECE_BYTES]
+        for start in range(0, len(view), piece):
+            chunk = view[start : start + piece]
+            if pace is not None:
+                await pace(len(chunk))
+            yield chunk
 
 
 # The fields of an assignment the volunteer reads, and what each must be.

@@ -52,6 +52,7 @@ T = TypeVar("T")
 
 # The connector queue time of the current host's request (see _trace_config).
 _queued: contextvars.ContextVar[list[float]] = contextvars.ContextVar("queued")
+UNPACED_MBPS = 1e5  # megabits a second: an uplink this fast or faster is not modelled
 
 
 class CoordinatorUnreachable(RuntimeError):
@@ -282,22 +283,28 @@ class EmulatedHost(PullLoop):
         )
         self.lied = False
         self.last_seconds = 0.0  # the latency of the last request
+        # A modelled uplink: request bodies go at its pace, so the coordinator times it as
+        # it would a real one's (engine/uplinks.py). A link of a terabit is not modelled.
+        self.paced = traits.upload_mbps < UNPACED_MBPS
+        if self.paced:
+            self.client.pace = self._pace
 
     async def _request(self, endpoint: str, call: Callable[[], Awaitable[T]], up: int) -> T:
         """The real call after the modelled round trip and upload time; its latency is
         recorded here (a work request's by _heard, which knows whether it waited)."""
         t = self.traits
-        await asyncio.sleep(t.latency_ms / 1000 + up * 8 / (t.upload_mbps * 1e6))
+        upload = 0.0 if self.paced else up * 8 / (t.upload_mbps * 1e6)  # else in the call
+        await asyncio.sleep(t.latency_ms / 1000 + upload)
         totals = self.em.totals
         totals.requests[endpoint] += 1
-        clock = [0.0, 0.0]
+        clock = [0.0, 0.0, 0.0]  # seconds queued for a connection, when queued, paced
         _queued.set(clock)  # this task's context only: see _trace_config
         started = time.perf_counter()
         reply = None
         try:
             reply = await call()
         finally:
-            self.last_seconds = time.perf_counter() - started - clock[0]
+            self.last_seconds = time.perf_counter() - started - clock[0] - clock[2]
             if clock[0]:
                 totals.queued.append(clock[0])
             if endpoint != "work" or reply is None:
@@ -309,6 +316,15 @@ class EmulatedHost(PullLoop):
         if inline:
             await asyncio.sleep(inline * 8 / (t.download_mbps * 1e6))
         return reply
+
+    async def _pace(self, nbytes: int) -> None:
+        """A piece of a request body crosses the modelled uplink (CoordinatorClient.pace);
+        the time is the link's, not the call's latency."""
+        seconds = nbytes * 8 / (self.traits.upload_mbps * 1e6)
+        clock = _queued.get(None)
+        if clock is not None:
+            clock[2] += seconds
+        await asyncio.sleep(seconds)
 
     def _heard(self, reply: dict[str, Any], wait: bool) -> None:
         held = "work_poll" if reply["assignments"] else "work_empty"

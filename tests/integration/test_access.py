@@ -341,6 +341,30 @@ async def test_a_host_minutes_into_a_report_is_in_contact(tmp_path):
         assert b" 404 " in await sending
 
 
+async def test_the_coordinator_times_a_hosts_uplink_from_its_reports(tmp_path):
+    """A report paced at 200 KB/s, as an emulated uplink sends it (CoordinatorClient.pace),
+    reads at the coordinator as an uplink of about that rate; a small report is not timed
+    (its time would be the loop's, not the link's)."""
+    small = {"result_id": "0" * 32, "hash": "0" * 64, "tile": b"x" * 1_000}
+    large = {"result_id": "0" * 32, "hash": "0" * 64, "tile": b"x" * 500_000}
+
+    async def uplink(nbytes: int) -> None:
+        await asyncio.sleep(nbytes / 200_000)  # the link's pace, not a wait for anything
+
+    async with running(tmp_path) as (co, _, url):
+        async with CoordinatorClient(url) as client:
+            host_id = await client.register("slow")
+            client.pace = uplink
+            for report in (small, large):
+                with pytest.raises(ServerRefused) as refused:
+                    await client.report([report])
+                assert refused.value.status == 404  # a result it never issued
+                if report is small:
+                    assert co.uplinks.rate(host_id) is None
+        rate = co.uplinks.rate(host_id)
+        assert rate is not None and 100_000 < rate < 300_000, rate
+
+
 async def test_a_client_that_trickles_its_headers_is_disconnected(tmp_path):
     """Slowloris: a byte of header every 0.05 s never completes a request; the connection is
     dropped once header_timeout has passed, and the server goes on serving others."""
