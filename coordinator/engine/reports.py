@@ -76,8 +76,9 @@ class Reports:
         are cut before its uplink is known: on a slow one, they would time out while
         their report is on its way, and be computed and sent again.
 
-        Never past what the body clock allows (server/api.py, BodyClock): a host that
-        trickles its report below body_min_rate is cut off, and its results time out."""
+        Only while the body keeps coming: one slower than body_min_rate is cut off
+        (server/api.py, BodyClock), nothing pushes the deadlines on, and its results time
+        out when last due."""
         self.uplinks.timed(host_id, got, seconds)
         per_byte = self.uplinks.per_byte(host_id)
         if not per_byte or total is None:
