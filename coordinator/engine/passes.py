@@ -349,11 +349,16 @@ class Passes:
                 age = straggling(results, now, lag)
                 if age is None:
                     continue
-                sitting.update(
-                    r.host_id
-                    for r in results
-                    if r.server_state is ServerState.IN_PROGRESS and r.host_id is not None
-                )
+                # The spare goes out either way; a holder counts as sitting on the tile
+                # only when its own uplink does not explain the wait (a slow home uplink
+                # among fast hosts is slow, not hoarding: it keeps its standing).
+                tile = 4 * wu.shape[0] * wu.shape[1]
+                for r in results:
+                    if r.server_state is not ServerState.IN_PROGRESS or r.host_id is None:
+                        continue
+                    upload = tile * watch.uplinks.per_byte(r.host_id) if r.upload_tile else 0.0
+                    if now - (r.sent_time or now) >= lag + self.config.straggler_factor * upload:
+                        sitting.add(r.host_id)
                 spare = wu.evolve(target_nresults=wu.target_nresults + 1, accelerated=True)
                 self.ledger.put_wu(spare)
                 self.ledger.touched.add(wu.id)

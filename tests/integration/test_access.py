@@ -475,12 +475,16 @@ async def test_a_late_report_of_a_cancelled_step_purged_since_is_not_written_bac
             assert await co.store.result(held["result_id"]) is None
 
 
-async def test_a_host_that_sits_on_a_products_only_tile_gets_a_spare_beside_it(tmp_path, rng):
+@pytest.mark.parametrize("uplink", [None, 1_000.0], ids=["hoarder", "slow uplink"])
+async def test_a_host_that_sits_on_a_products_only_tile_gets_a_spare_beside_it(
+    tmp_path, rng, uplink
+):
     """A host that takes a tile and never reports it (slow, stopped, or hoarding) held its
     step for the tile's whole deadline, up to a minute, again and again: a product of one
     tile is never 'nearly done' for the tail rule. Now a spare goes to another, proven host
     once the tile has been out far longer than the crowd takes for one, and the host that
-    sat on it gets no new work for a while."""
+    sat on it gets no new work for a while, unless its own uplink, as timed, explains the
+    wait (1 KB/s: its 1 KB tile takes a second to send): it is slow, not hoarding."""
     a, b = operands(rng, 16, 16, 8, False, False)
     async with running(tmp_path, tile=16, policy=Policy.FREIVALDS, straggler_floor=0.3) as (
         co,
@@ -500,7 +504,9 @@ async def test_a_host_that_sits_on_a_products_only_tile_gets_a_spare_beside_it(t
             (mine,) = (await honest.request_work("o0", capacity=1, wait=True))["assignments"]
             await honest.report([{"result_id": mine["result_id"], "tile": await compute(mine)}])
             await asyncio.wait_for(first, 20)
-            await hoarder.register("hoarder")
+            hoarder_id = await hoarder.register("hoarder")
+            if uplink is not None:
+                co.uplinks.timed(hoarder_id, 1_000_000, 1_000_000 / uplink)
             product = asyncio.ensure_future(queue.matmul(a, b, step=2, label="w"))
             await wait_until(lambda: co.ledger.unsent)
             (held,) = (await hoarder.request_work("h1", capacity=1))["assignments"]
@@ -514,7 +520,12 @@ async def test_a_host_that_sits_on_a_products_only_tile_gets_a_spare_beside_it(t
             cooled = await hoarder.request_work(
                 "h2", capacity=1, in_progress=[held["result_id"]], wait=False
             )
-            assert cooled["assignments"] == [] and "no new work for 2s" in cooled["note"]
+            if uplink is None:
+                assert cooled["assignments"] == [] and "no new work for 2s" in cooled["note"]
+            else:
+                assert "no new work" not in cooled.get("note", "")
+                assert co.ledger.hosts[hoarder_id].consecutive_valid == 0  # nothing lost
+                assert co.ledger.hosts[hoarder_id].max_in_progress == 4  # not halved
             await honest.report([{"result_id": spare["result_id"], "tile": await compute(spare)}])
             got = await asyncio.wait_for(product, 20)
         assert np.array_equal(bits(got), bits(kernels.gemm(a, b)))
