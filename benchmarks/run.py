@@ -5,8 +5,9 @@ Run:  .venv/bin/python benchmarks/run.py [--quick] [--write] [--only AREA ...]
 Areas, in order: kernels and validation (benchmarks/kernels.py), coordinator (a coordinator
 process pinned to one core, `tilehive emulate`'s engine on the other, at 100, 1,000 and
 10,000 hosts), training, network (emulated laptops 30 ms away), communication, tails, a
-host that hoards tiles, and the Dask peer (benchmarks/training.py, network.py,
-communication.py, tails.py, hoarding.py, peer_dask.py). `--write` replaces the table in
+host that hoards tiles, a volunteer on a slow uplink, and the Dask peer
+(benchmarks/training.py, network.py, communication.py, tails.py, hoarding.py, uplink.py,
+peer_dask.py). `--write` replaces the table in
 docs/performance.md; without it the table is only printed. `--quick` is a smoke run (small
 repeats, 100 hosts only) whose figures are not for the record.
 """
@@ -298,6 +299,7 @@ AREAS = {
     "communication": lambda quick: module_rows("communication", quick),
     "tails": lambda quick: module_rows("tails", quick),
     "hoarding": lambda quick: module_rows("hoarding", quick),
+    "uplink": lambda quick: module_rows("uplink", quick),
     "peer": lambda quick: module_rows("peer_dask", quick),
 }
 
