@@ -28,7 +28,12 @@ from coordinator.engine.uplinks import Uplinks
 from coordinator.engine.waiting import Waiting
 from coordinator.rules import trust
 from coordinator.rules.access import Access, admin_token
-from coordinator.rules.scheduler import Scheduler, tile_upload_bytes, too_slow_to_upload
+from coordinator.rules.scheduler import (
+    Scheduler,
+    tile_upload_bytes,
+    too_slow_to_upload,
+    wants_tile,
+)
 from coordinator.state.blobs import BlobStore
 from coordinator.state.ledger import Ledger
 from coordinator.state.store import Store
@@ -106,6 +111,7 @@ class Coordinator:
         self.requests.between_products = lambda: self.products.between
         self.requests.crowd = self.crowd.hosts
         self.requests.upload_per_byte = self.uplinks.per_byte
+        self.requests.uplinks_too_slow = lambda: self.waiting.reason == "hosts_too_slow"
         self.reports.reported = self.requests.reported
         self.ledger.on_unsent = self.requests.signal_work
         self.ledger.on_quarantined = self._take_back
@@ -118,9 +124,12 @@ class Coordinator:
 
     def _too_slow(self, host: Host, wu: WorkUnit) -> float:
         """Seconds the host's uplink would take to send the work unit's tile, when that is
-        more than a deadline allows (engine/waiting.py); 0.0 when it may take it."""
+        more than a deadline allows (engine/waiting.py); 0.0 when it may take it, or would
+        send only the tile's hash (a quorum's later replica)."""
         per_byte = self.uplinks.per_byte(host.id)
         if not per_byte or not too_slow_to_upload(wu, per_byte, self.config.scheduler):
+            return 0.0
+        if wu.min_quorum > 1 and not wants_tile(self.ledger.results_for(wu.id)):
             return 0.0
         return tile_upload_bytes(wu) * per_byte
 

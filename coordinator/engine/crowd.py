@@ -105,14 +105,13 @@ class CrowdWatch:
                 if h.in_service and now - h.last_contact <= RECENT
             ]
             memory = [h.max_memory_mb << 20 for h in hosts if h.max_memory_mb]
-            upload, slowest = self.uplinks.typical(h.id for h in hosts)
+            upload = self.uplinks.typical(h.id for h in hosts)
             looked = Crowd(
                 hosts=max(len(hosts), 1),
                 gflops=statistics.median(h.gflops for h in hosts) if hosts else 1.0,
                 overhead=0.0,
                 memory_bytes=min(memory, default=0),
                 upload_per_byte=upload,
-                slowest_upload_per_byte=slowest,
             )
             self._hosts = (now, looked)
         return self._hosts[1]

@@ -21,6 +21,7 @@ from coordinator.engine.offload import offload
 from coordinator.engine.products import Products
 from coordinator.engine.reports import quarantine_event
 from coordinator.rules import sizing, trust, validator
+from coordinator.rules.scheduler import tile_upload_bytes
 from coordinator.rules.transitioner import transition
 from coordinator.state.blobs import BlobStore
 from coordinator.state.ledger import Ledger
@@ -85,6 +86,9 @@ class Passes:
         # A host sat on a tile that needed a straggler's spare (the Coordinator: no new work
         # for it a while, rules/cooling.py).
         self.sat_on: Callable[[int, float], None] = lambda host_id, now: None
+        # Holders of spared tiles whose own uplink might explain the wait: result id ->
+        # (host id, when it is judged). Still out then, the host sat on it after all.
+        self._judging: dict[str, tuple[int, float]] = {}
 
     def wake(self) -> None:
         self._wake.set()
@@ -326,11 +330,18 @@ class Passes:
         than a tile takes the crowd: the tail rule spares only products nearly done, and a
         product of one tile, or one host sitting on its tiles, is never nearly done. Once a
         work unit (`accelerated`), and only with another host in service to take it."""
+        sitting = set(self._judged(now))  # hosts that sat on a spared tile: once each
+        self._spare(now, sitting)
+        for host_id in sorted(sitting):
+            self.sat_on(host_id, now)
+
+    def _spare(self, now: float, sitting: set[int]) -> None:
+        """The spares of _spare_stragglers; the hosts found sitting on their tiles (or to be
+        judged later: _judge) go into `sitting`."""
         watch = self.products.crowd
         if watch is None:
             return
         floor = self.config.straggler_floor
-        sitting: set[int] = set()  # hosts holding the tiles spared: once each, this look
         for output in list(self.products.outputs.values()):
             if output.gemm is None or now - output.gemm.created < floor:
                 continue  # none of its tiles can have been out that long: most products
@@ -349,16 +360,9 @@ class Passes:
                 age = straggling(results, now, lag)
                 if age is None:
                     continue
-                # The spare goes out either way; a holder counts as sitting on the tile
-                # only when its own uplink does not explain the wait (a slow home uplink
-                # among fast hosts is slow, not hoarding: it keeps its standing).
-                tile = 4 * wu.shape[0] * wu.shape[1]
                 for r in results:
-                    if r.server_state is not ServerState.IN_PROGRESS or r.host_id is None:
-                        continue
-                    upload = tile * watch.uplinks.per_byte(r.host_id) if r.upload_tile else 0.0
-                    if now - (r.sent_time or now) >= lag + self.config.straggler_factor * upload:
-                        sitting.add(r.host_id)
+                    if r.server_state is ServerState.IN_PROGRESS and r.host_id is not None:
+                        self._judge(r, lag, watch.uplinks.per_byte(r.host_id), now, sitting)
                 spare = wu.evolve(target_nresults=wu.target_nresults + 1, accelerated=True)
                 self.ledger.put_wu(spare)
                 self.ledger.touched.add(wu.id)
@@ -367,8 +371,44 @@ class Passes:
                     f"{expected:.2f}s; spare replica for another host"
                 )
                 self.ledger.log([Event.about(wu, now, "accelerated", message)])
-        for host_id in sorted(sitting):
-            self.sat_on(host_id, now)
+
+    def _judge(
+        self, result: Result, lag: float, per_byte: float, now: float, sitting: set[int]
+    ) -> None:
+        """A spare goes out beside the result: its host sat on the tile, unless its own
+        uplink explains the wait (a slow home uplink among fast hosts is slow, not
+        hoarding). Then it is judged once its uplink could have sent the uploads queued on
+        it, this tile's included, `straggler_factor` times over: still out then, it sat on
+        it after all."""
+        host_id = result.host_id
+        assert host_id is not None
+        uploads = per_byte * self._queued_bytes(host_id) if per_byte else 0.0
+        judged_at = (result.sent_time or now) + lag + self.config.straggler_factor * uploads
+        if judged_at <= now:
+            sitting.add(host_id)
+        else:
+            self._judging[result.id] = (host_id, judged_at)
+
+    def _judged(self, now: float) -> list[int]:
+        """Hosts whose time to send a spared tile has run out with the tile still out."""
+        hosts = []
+        for result_id, (host_id, judged_at) in list(self._judging.items()):
+            result = self.ledger.results.get(result_id)
+            if result is None or result.server_state is not ServerState.IN_PROGRESS:
+                del self._judging[result_id]  # reported, given back or timed out: done
+            elif judged_at <= now:
+                del self._judging[result_id]
+                hosts.append(host_id)
+        return hosts
+
+    def _queued_bytes(self, host_id: int) -> int:
+        """Bytes of the tiles the host holds and is to upload (rules/scheduler.py)."""
+        ledger = self.ledger
+        return sum(
+            tile_upload_bytes(ledger.wus[ledger.results[r].wu_id])
+            for r in ledger.in_progress_of.get(host_id, ())
+            if ledger.results[r].upload_tile
+        )
 
     def _accelerate_tails(self, now: float) -> None:
         """Spare replicas for the last work units of a GEMM that is nearly done."""

@@ -53,7 +53,7 @@ FILLED = (WuState.VALIDATED, WuState.ASSIMILATED)
 
 
 def upload_capped(config: CoordinatorConfig) -> sizing.SizingConfig:
-    """The sizing settings, with the longest upload a tile may cost the slowest host from
+    """The sizing settings, with the longest upload a tile may cost the typical host from
     the project's delay_bound (unless they give one)."""
     if config.sizing.max_upload_seconds != math.inf:
         return config.sizing
@@ -79,9 +79,8 @@ class GemmOutput:
 # Turns of the loop from a product's future being set to its matmul() running again: the
 # future's callback, then the shield's (Products.matmul).
 HAND_OVER_TURNS = 2
-# A tile's upload takes the crowd's slowest uplink at most this share of what the scheduler
-# lets a host queue (rules/scheduler.py, upload_budget): that host then holds a few tiles
-# at once, and is refused none for its uplink alone.
+# A tile's upload takes the crowd's typical uplink at most this share of what the scheduler
+# lets a host queue (rules/scheduler.py, upload_budget): that host then holds a few tiles.
 UPLOAD_SHARE = 0.25
 BETWEEN_WEIGHT = 0.2  # of each new sample in Products.between, a moving average
 

@@ -14,7 +14,7 @@ from coordinator.engine.metrics import Metrics
 from coordinator.engine.offload import offload
 from coordinator.engine.uplinks import Uplinks
 from coordinator.rules import sizing, trust
-from coordinator.rules.scheduler import UPLOAD_MARGIN
+from coordinator.rules.scheduler import tile_upload_bytes
 from coordinator.state.blobs import BlobStore
 from coordinator.state.ledger import Ledger
 from coordinator.state.store import Store
@@ -66,31 +66,22 @@ class Reports:
         # (WorkRequests.reported).
         self.reported: Callable[[int], None] = lambda host_id: None
 
-    def arriving(
-        self, host_id: int, got: int, total: int | None, seconds: float, now: float
-    ) -> None:
-        """A report from the host is arriving: `got` of its `total` bytes (None: not said)
-        in `seconds`. Its uplink is timed as it comes, and the results the host held when
-        the body started, which it may carry, do not time out before the rest of it could
-        arrive at that rate (twice the time, and the deadline floor). A host's first tiles
-        are cut before its uplink is known: on a slow one, they would time out while
-        their report is on its way, and be computed and sent again.
+    def arriving(self, host_id: int, began: float, now: float) -> None:
+        """A report from the host, begun at `began`, is still arriving at `now` (a sign of
+        it each second, BodyClock). The results the host held when it began, which it may
+        carry, are leased the deadline floor from now: they do not time out while their
+        report is on its way. A host's first tiles are cut before its uplink is known; on
+        a slow one they timed out on the way, and were computed and sent again.
 
-        Only while the body keeps coming: one slower than body_min_rate is cut off
-        (server/api.py, BodyClock), nothing pushes the deadlines on, and its results time
-        out when last due."""
-        self.uplinks.timed(host_id, got, seconds)
-        per_byte = self.uplinks.per_byte(host_id)
-        if not per_byte or total is None:
-            return
-        floor = self.config.scheduler.deadline_floor
-        due = now + UPLOAD_MARGIN * max(total - got, 0) * per_byte + floor
-        started = now - seconds
+        A lease, not a forecast: once the body stops coming (cut off below body_min_rate,
+        or hung up), the results time out within the floor. A host that keeps a report
+        coming at body_min_rate or more holds them as long as it does (docs/security.md)."""
+        due = now + self.config.scheduler.deadline_floor
         for result_id in list(self.ledger.in_progress_of.get(host_id, ())):
             result = self.ledger.results[result_id]
             if (
                 result.sent_time is not None
-                and result.sent_time < started
+                and result.sent_time < began
                 and (result.report_deadline or math.inf) < due
             ):
                 self.ledger.put_result(result.evolve(report_deadline=due))
@@ -286,7 +277,8 @@ class Reports:
             self.stats["tiles_in"] += 1
             if result.sent_time is not None and not late:
                 moved = sizing.tile_bytes(*wu.shape, upload=has_tile)
-                upload = self.uplinks.per_byte(host.id) * moved if has_tile else 0.0
+                # Its own upload only, not the panels' download: the tile's bytes.
+                upload = self.uplinks.per_byte(host.id) * tile_upload_bytes(wu) if has_tile else 0
                 self.crowd.observe(now - result.sent_time, entry.seconds, moved, now, upload)
             what = "tile" if has_tile else "hash"
             message = f"{what} {output_hash[:16]} in {entry.seconds:.2f}s"

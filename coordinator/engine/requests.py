@@ -114,6 +114,9 @@ class WorkRequests:
         self.crowd: Callable[[float], int] = lambda now: 1
         # Seconds a byte takes a host's uplink (engine/uplinks.py; 0.0: free or unknown).
         self.upload_per_byte: Callable[[int], float] = lambda host_id: 0.0
+        # Whether work waits because no connected host can send it in time (engine/
+        # waiting.py): a host with nothing queued on its uplink then takes a tile anyway.
+        self.uplinks_too_slow: Callable[[], bool] = lambda: False
         self.finished = False  # training is done: every request is told so
         self.told: set[int] = set()  # hosts told that the project is finished
         self.waiters = Waiters()  # long-polling work requests
@@ -214,8 +217,8 @@ class WorkRequests:
             request = replace(request, capacity=0, wait=False)
         # Other hosts get their share of a product: one host does not take all of its tiles
         # while the rest idle or finish their last (sized work cut it for all of them).
-        uplink = self.upload_per_byte(host.id)
-        plan = self.scheduler.plan(host, request, now, self.waiters.hosts, self.crowd(now), uplink)
+        uplink = self.upload_per_byte(host.id), self.uplinks_too_slow()
+        plan = self.scheduler.plan(host, request, now, self.waiters.hosts, self.crowd(now), *uplink)
         asked = time.monotonic()
         deadline = asked + self.config.long_poll
         while not plan.assignments and plan.room > 0 and request.wait:
@@ -234,7 +237,7 @@ class WorkRequests:
             now = time.time()
             host = self.ledger.hosts[host.id]
             plan = self.scheduler.plan(
-                host, request, now, self.waiters.hosts - 1, self.crowd(now), uplink
+                host, request, now, self.waiters.hosts - 1, self.crowd(now), *uplink
             )
             if not plan.assignments and self.ledger.unsent:
                 # Work is there, but none this host may take (it holds a replica, or lacks

@@ -2,14 +2,15 @@
 
 A tile's arithmetic is measured by its host, and the crowd's round trip and download from
 the results' turnaround (engine/crowd.py); neither says what a tile of a few megabytes
-costs a host on a home uplink of 100 KB/s, where its upload takes a minute. Timed where
-the bytes arrive, the uplink is the coordinator's own measure: a host cannot talk its
-deadlines longer than its reports actually take, and a volunteer of any version is timed.
+costs a host on a home uplink of 100 KB/s, where its upload takes a minute.
 
-Only bodies of MIN_SAMPLE bytes or more are timed: a small one arrives within its first
-packets, and its time is the loop's, not the link's. The time runs from the body's first
-read (the headers have arrived) to its last byte, so a loop busy elsewhere makes an uplink
-look slower, never faster: its tiles' deadlines err long.
+A body of MIN_SAMPLE bytes or more is timed from its first chunk's arrival to its last's,
+the first chunk's bytes left out (server/api.py, BodyClock.pace), and only when the report
+brings work the coordinator takes: a host that sends junk slowly does not make its uplink
+look slow. What is timed is the link as the host drives it. A host can send its reports
+slower than its link allows, and so lengthen its own deadlines (within delay_bound) and
+shrink its own share of the work; bytes that waited in the socket for a busy loop make an
+uplink look faster, and a report beside another slower.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from __future__ import annotations
 import statistics
 from collections.abc import Iterable
 
-MIN_SAMPLE = 256 << 10  # bytes: the smallest body whose arrival is timed
+MIN_SAMPLE = 64 << 10  # bytes: the smallest body whose arrival is timed (a tile of 128)
 WEIGHT = 0.3  # of each new sample in a host's moving average
 # Uplinks faster than this are as good as free for a tile (a megabyte in 0.1 s, under a
 # tile's round trip and deadline floor): a host on loopback or a LAN, whose reports a busy
@@ -50,13 +51,12 @@ class Uplinks:
         per_byte = self._per_byte.get(host_id)
         return None if not per_byte else 1.0 / per_byte
 
-    def typical(self, host_ids: Iterable[int]) -> tuple[float, float]:
-        """(median, largest) seconds a byte over the hosts: the typical uplink that sizes
-        a product's tiles, and the slowest, which caps them. Hosts not measured, or
-        free, count as 0."""
+    def typical(self, host_ids: Iterable[int]) -> float:
+        """Seconds a byte over the hosts, the typical one's (the lower median: of two, the
+        faster), which sizes a product's tiles: a slow host, or one that makes itself look
+        slow, does not shrink every host's tiles; tiles it cannot send go to others.
+        Hosts not measured, or free, count as 0."""
         if not self._per_byte:  # nothing timed yet: no host's uplink to look up
-            return 0.0, 0.0
+            return 0.0
         per_byte = [self.per_byte(h) for h in host_ids]
-        if not per_byte:
-            return 0.0, 0.0
-        return statistics.median(per_byte), max(per_byte)
+        return statistics.median_low(per_byte) if per_byte else 0.0

@@ -128,8 +128,9 @@ def explain(
             "hosts_too_slow",
             f"work waits for a faster uplink: a tile would take {fastest:.0f}s to send from "
             "the fastest connected volunteer that could compute it, longer than the "
-            "project's work.delay_bound allows for uploads (raise it, lower work.tile, or "
-            "start a volunteer on a faster link)",
+            "project's work.delay_bound leaves for uploads; such tiles go one at a time to "
+            "volunteers with nothing else to send (raise work.delay_bound, lower work.tile, "
+            "or start a volunteer on a faster link)",
             waiting,
         )
     if held:
@@ -207,6 +208,11 @@ class Waiting:
         message = f"work flows again (it waited {now - before.since:.0f}s: {before.reason})"
         log.info(message)
         self.ledger.log([Event(now, "wait", "flowing", message)])
+
+    @property
+    def reason(self) -> str | None:
+        """The current wait's reason, or None while work flows."""
+        return self.current.reason if self.current is not None else None
 
     def note(self) -> str | None:
         """What a host that got no work is told: why the project's work waits, if it does.

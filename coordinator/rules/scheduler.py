@@ -94,6 +94,10 @@ class Uplink:
 
     per_byte: float
     queued: int
+    # No connected host can send some tiles in time (engine/waiting.py): one goes to a host
+    # with nothing queued on its uplink anyway, due at delay_bound, rather than wait for ever.
+    anyway: bool = False
+    full: bool = False  # its queue took all it may: no further candidate fits either
 
 
 @dataclass(slots=True)
@@ -268,6 +272,7 @@ class Scheduler:
         others: int = 0,
         crowd: int = 1,
         upload_per_byte: float = 0.0,
+        upload_anyway: bool = False,
     ) -> Plan:
         """`others`: how many other hosts want work just now; this one then takes no more
         than its share of each product's unsent results. `crowd`: the hosts in recent
@@ -275,9 +280,11 @@ class Scheduler:
         its share of each product's results, whether or not the others are asking at this
         moment (they are uploading their last tiles, say, a round trip from asking).
         `upload_per_byte`: seconds a byte takes the host's uplink (0: not measured, or
-        too fast to matter)."""
+        too fast to matter); `upload_anyway`: no connected host can send some tiles in
+        time, and one goes to a host with nothing queued on its uplink all the same."""
         plan = Plan()
-        uplink = Uplink(upload_per_byte, self._queued_bytes(host) if upload_per_byte else 0)
+        queued = self._queued_bytes(host) if upload_per_byte else 0
+        uplink = Uplink(upload_per_byte, queued, upload_anyway)
         ledger = self.ledger
         listed = set(request.in_progress)
         for result_id in request.in_progress:
@@ -335,6 +342,8 @@ class Scheduler:
                 if gemm is not None and taken.get(gemm, 0) >= shares.get(gemm, 0):
                     continue
             assignment = self._try_assign(host, result_id, now, plan, in_progress, uplink)
+            if uplink.full:
+                break
             if assignment is None:
                 continue
             if assignment.result.upload_tile:
@@ -451,14 +460,17 @@ class Scheduler:
         )
         uploads = 0.0  # seconds of uploads queued on the host's uplink up to this tile's
         if upload_tile and uplink.per_byte:
+            tile = tile_upload_bytes(wu)
+            uploads = (uplink.queued + tile) * uplink.per_byte
             if too_slow_to_upload(wu, uplink.per_byte, self.config):
-                alone = tile_upload_bytes(wu) * uplink.per_byte
-                plan.too_slow += 1
-                plan.slowest_upload = min(plan.slowest_upload or alone, alone)
+                if not (uplink.anyway and not uplink.queued):
+                    plan.too_slow += 1
+                    alone = tile * uplink.per_byte
+                    plan.slowest_upload = min(plan.slowest_upload or alone, alone)
+                    return None
+            elif uploads > upload_budget(wu.delay_bound, self.config):
+                uplink.full = True  # more as it reports
                 return None
-            uploads = (uplink.queued + tile_upload_bytes(wu)) * uplink.per_byte
-            if uploads > upload_budget(wu.delay_bound, self.config):
-                return None  # its uplink's queue is full: more as it reports
         wu = self._maybe_trust(host, wu, siblings, now, plan)
         result = result.evolve(
             host_id=host.id,

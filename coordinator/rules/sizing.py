@@ -37,10 +37,9 @@ class Crowd:
     overhead: float  # seconds a tile costs a host beyond its arithmetic and its bytes
     memory_bytes: int = 0  # the smallest memory for work among them; 0: no limit given
     seconds_per_byte: float = 0.0  # moving a tile's panels down (and the round trip's rest)
-    # Uploading a tile, a byte, as the coordinator timed the hosts' reports
-    # (engine/uplinks.py): the median host's uplink, and the slowest one's.
+    # Uploading a tile, a byte, at the typical host's uplink as the coordinator timed its
+    # reports (engine/uplinks.py).
     upload_per_byte: float = 0.0
-    slowest_upload_per_byte: float = 0.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -49,9 +48,9 @@ class SizingConfig:
     # number of hosts shares: measured at about 1 ms (docs/performance.md).
     coordinator_seconds: float = 0.001
     max_tile_bytes: int = 16 << 20  # the largest output tile, whatever the crowd
-    # Seconds the slowest uplink in the crowd may take to upload one tile: a share of what
-    # the scheduler lets a host queue (rules/scheduler.py, upload_budget), so that it holds
-    # a few tiles and is never refused every one (infinite: no cap).
+    # Seconds the typical host's uplink may take to upload one tile: a share of what the
+    # scheduler lets a host queue (rules/scheduler.py, upload_budget), so that it holds a
+    # few tiles (infinite: no cap).
     max_upload_seconds: float = math.inf
 
 
@@ -100,7 +99,8 @@ def choose_tile(
 ) -> int:
     """The tile for an m x n x k product: `floor` (the project's tile) times a power of two,
     from `floor` / 2**HALVINGS (at least MIN_TILE) to no larger than the product, its blob
-    limit, the crowd's memory or its slowest uplink allow. `floor` itself when none fits."""
+    limit, the crowd's memory or its typical uplink allow; the smallest of them when none
+    fits."""
     candidates = [floor >> i for i in range(HALVINGS, 0, -1) if floor >> i >= MIN_TILE]
     candidates.append(floor)
     while candidates[-1] < max(m, n):
@@ -110,11 +110,11 @@ def choose_tile(
         tm, tn = min(tile, m), min(tile, n)
         if 4 * tm * tn > config.max_tile_bytes:
             return False
-        if 4 * tm * tn * crowd.slowest_upload_per_byte > config.max_upload_seconds:
+        if 4 * tm * tn * crowd.upload_per_byte > config.max_upload_seconds:
             return False
         return not crowd.memory_bytes or tile_memory(tm, tn, k) <= crowd.memory_bytes
 
-    usable = [t for t in candidates if fits(t)] or [floor]
+    usable = [t for t in candidates if fits(t)] or candidates[:1]
     times = {t: estimate(m, n, k, t, crowd, replicas, config) for t in usable}
     best = min(times.values())
     return max(t for t, seconds in times.items() if seconds <= best * SLACK)

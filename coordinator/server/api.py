@@ -117,11 +117,14 @@ async def measured(request: web.Request, handler: Handler) -> web.StreamResponse
 
 
 async def read_body(
-    request: web.Request, limit: int, heard: Callable[[int, float], None] | None = None
+    request: web.Request,
+    limit: int,
+    heard: Callable[[], None] | None = None,
+    timed: Callable[[int, float], None] | None = None,
 ) -> dict:
     """The request's msgpack map (plain, or framed: kernels/frames.py), refusing other media
-    types and bodies over `limit`; `heard(bytes, seconds)` now and then while a long body
-    arrives, with the bytes arrived so far and the seconds they took."""
+    types and bodies over `limit`; `heard()` now and then while a long body arrives, and
+    `timed(bytes, seconds)` once it is in: its pace (BodyClock.pace)."""
     if request.content_type not in (protocol.CONTENT_TYPE, frames.CONTENT_TYPE):
         raise UnsupportedMediaType(
             f"send the body as {protocol.CONTENT_TYPE} or {frames.CONTENT_TYPE}, not "
@@ -149,6 +152,8 @@ async def read_body(
         # runs few (cli/serve.py), so each body cut off would pin its megabytes for long.
         exc.__traceback__ = None
         raise protocol.BadRequest(f"the body was cut off: {type(exc).__name__}") from None
+    if timed is not None and (pace := clock.pace()) is not None:
+        timed(*pace)
     if request.content_type == frames.CONTENT_TYPE:
         return protocol.decode_frame(body, limit)
     return protocol.decode(body, limit)
@@ -158,12 +163,11 @@ class BodyClock:
     """How long a request body may take to arrive: `grace` seconds, and one second more
     for each `min_rate` bytes that have arrived. A report from a slow uplink gets through
     however large it is; a client that drips a body to hold a connection and its buffer
-    (slowloris) is cut off once it falls below the rate. `heard(bytes, seconds)` is called
-    each `step` while bytes arrive: a host minutes into a report is in contact, not silent,
-    and its uplink is timed as the body comes."""
+    (slowloris) is cut off once it falls below the rate. `heard()` is called each `step`
+    while bytes arrive: a host minutes into a report is in contact, not silent."""
 
     def __init__(
-        self, grace: float, min_rate: float, heard: Callable[[int, float], None] | None = None
+        self, grace: float, min_rate: float, heard: Callable[[], None] | None = None
     ) -> None:
         self.grace = grace
         self.min_rate = min_rate
@@ -171,6 +175,8 @@ class BodyClock:
         self.step = min(1.0, grace / 4)
         self.started = self.heard_at = asyncio.get_running_loop().time()
         self.got = 0
+        self.first: tuple[float, int] | None = None  # when the first chunk came, its bytes
+        self.last = 0.0  # when the last chunk came
 
     def deadline(self, got: int) -> float:
         """The loop time by which the body must be complete, `got` bytes of it arrived."""
@@ -181,11 +187,12 @@ class BodyClock:
 
         def arrived(got: int) -> None:
             self.got = got
-            if self.heard is not None:
-                now = asyncio.get_running_loop().time()
-                if now - self.heard_at >= self.step:
-                    self.heard_at = now
-                    self.heard(got, now - self.started)
+            self.last = now = asyncio.get_running_loop().time()
+            if self.first is None:
+                self.first = (now, got)
+            if self.heard is not None and now - self.heard_at >= self.step:
+                self.heard_at = now
+                self.heard()
             deadline = self.deadline(got)
             when = timer.when()
             # A step at a time: a body comes in hundreds of chunks, and each move is a
@@ -195,6 +202,15 @@ class BodyClock:
                 timer.reschedule(deadline)
 
         return arrived
+
+    def pace(self) -> tuple[int, float] | None:
+        """(bytes, seconds) from the first chunk's arrival to the last's, the first chunk
+        left out: it may have waited in the socket's buffers for the handler, or come with
+        the headers (aiohttp's client sends them together), so its time is not the link's.
+        None for a body of one chunk."""
+        if self.first is None or self.got <= self.first[1]:
+            return None
+        return self.got - self.first[1], self.last - self.first[0]
 
     def said(self) -> str:
         """Why a body was cut off, for its 408."""
@@ -354,19 +370,21 @@ async def report(request: web.Request) -> web.Response:
     # A large report over a slow uplink takes minutes: its host is in contact meanwhile, not
     # missing from the count of connected volunteers that says why work waits, and the
     # results it may carry do not time out while it arrives (Reports.arriving).
-    def heard(got: int, seconds: float) -> None:
+    began = time.time()
+
+    def heard() -> None:
         now = time.time()
         co.hosts.heard_from(host.id, now)
-        co.reports.arriving(host.id, got, request.content_length, seconds, now)
+        co.reports.arriving(host.id, began, now)
 
-    started = asyncio.get_running_loop().time()
-    body = await read_body(request, co.config.max_report_bytes, heard)
-    # Its uplink, as the body took to arrive (engine/uplinks.py: large bodies only).
-    co.uplinks.timed(
-        host.id, request.content_length or 0, asyncio.get_running_loop().time() - started
-    )
+    pace: list[tuple[int, float]] = []
+    body = await read_body(request, co.config.max_report_bytes, heard, lambda *p: pace.append(p))
     message = protocol.parse_report(body)
     summary = await co.reports.report(host, message, time.time())
+    if pace and summary["accepted"]:
+        # Its uplink, as the body took to arrive (engine/uplinks.py): a report that brought
+        # work, not one a host could make slow or fast at will.
+        co.uplinks.timed(host.id, *pace[0])
     summary.update(local_offer(request))
     if message.work is None:
         return msgpack_response(summary)

@@ -341,28 +341,38 @@ async def test_a_host_minutes_into_a_report_is_in_contact(tmp_path):
         assert b" 404 " in await sending
 
 
-async def test_the_coordinator_times_a_hosts_uplink_from_its_reports(tmp_path):
-    """A report paced at 200 KB/s, as an emulated uplink sends it (CoordinatorClient.pace),
-    reads at the coordinator as an uplink of about that rate; a small report is not timed
-    (its time would be the loop's, not the link's)."""
-    small = {"result_id": "0" * 32, "hash": "0" * 64, "tile": b"x" * 1_000}
-    large = {"result_id": "0" * 32, "hash": "0" * 64, "tile": b"x" * 500_000}
+async def test_the_coordinator_times_a_hosts_uplink_from_the_reports_it_takes(tmp_path, rng):
+    """A report of a 256 KB tile paced at 200 KB/s, as an emulated uplink sends it
+    (CoordinatorClient.pace), reads at the coordinator as an uplink of about that rate. A
+    report it refuses is not timed, however slow: a host cannot make its uplink look slow
+    with junk (its deadlines longer, its spares' judgement later)."""
+    junk = {"result_id": "0" * 32, "hash": "0" * 64, "tile": b"x" * 500_000}
+    a, b = operands(rng, 256, 256, 8, False, False)
 
     async def uplink(nbytes: int) -> None:
         await asyncio.sleep(nbytes / 200_000)  # the link's pace, not a wait for anything
 
-    async with running(tmp_path) as (co, _, url):
+    async def crawl(nbytes: int) -> None:
+        await asyncio.sleep(nbytes / 100_000)
+
+    async with running(tmp_path, tile=256, policy=Policy.FREIVALDS) as (co, queue, url):
         async with CoordinatorClient(url) as client:
             host_id = await client.register("slow")
+            client.pace = crawl
+            with pytest.raises(ServerRefused) as refused:
+                await client.report([junk])
+            assert refused.value.status == 404  # a result it never issued
+            assert co.uplinks.rate(host_id) is None
+            product = asyncio.ensure_future(queue.matmul(a, b, step=1, label="w"))
+            (assignment,) = (await client.request_work("w1", capacity=1, wait=True))["assignments"]
+            tile_a = await client.fetch_blob(assignment["a"], max_bytes=1 << 20)
+            tile_b = await client.fetch_blob(assignment["b"], max_bytes=1 << 20)
+            tile = compute_tile(assignment, tile_a, tile_b)[1]
             client.pace = uplink
-            for report in (small, large):
-                with pytest.raises(ServerRefused) as refused:
-                    await client.report([report])
-                assert refused.value.status == 404  # a result it never issued
-                if report is small:
-                    assert co.uplinks.rate(host_id) is None
+            await client.report([{"result_id": assignment["result_id"], "tile": tile}])
+            await asyncio.wait_for(product, 20)
         rate = co.uplinks.rate(host_id)
-        assert rate is not None and 100_000 < rate < 300_000, rate
+        assert rate is not None and 150_000 < rate < 250_000, rate
 
 
 async def test_a_client_that_trickles_its_headers_is_disconnected(tmp_path):
@@ -524,8 +534,17 @@ async def test_a_host_that_sits_on_a_products_only_tile_gets_a_spare_beside_it(
                 assert cooled["assignments"] == [] and "no new work for 2s" in cooled["note"]
             else:
                 assert "no new work" not in cooled.get("note", "")
-                assert co.ledger.hosts[hoarder_id].consecutive_valid == 0  # nothing lost
                 assert co.ledger.hosts[hoarder_id].max_in_progress == 4  # not halved
+                # Judged once its uplink could have sent the tile four times over: still
+                # out then, it sat on it after all.
+                started = time.monotonic()
+                while co.ledger.hosts[hoarder_id].max_in_progress == 4:
+                    assert time.monotonic() - started < 20, "never judged"
+                    await asyncio.sleep(0.1)  # polled under the deadline above
+                cooled = await hoarder.request_work(
+                    "h3", capacity=1, in_progress=[held["result_id"]], wait=False
+                )
+                assert "no new work" in cooled["note"]
             await honest.report([{"result_id": spare["result_id"], "tile": await compute(spare)}])
             got = await asyncio.wait_for(product, 20)
         assert np.array_equal(bits(got), bits(kernels.gemm(a, b)))

@@ -592,7 +592,6 @@ def test_a_slow_uplink_holds_no_more_tiles_than_it_can_send_in_time():
     plan = scheduler(ledger).plan(host, request(), NOW, upload_per_byte=UPLINK)
 
     assert len(plan.assignments) == 2
-    assert all(a.result.report_deadline - NOW <= 60.0 for a in plan.assignments)
     assert plan.too_slow == 0  # held back by its queue, not refused
     # One reported: its place on the uplink is free again.
     done = plan.assignments[0].result

@@ -122,22 +122,27 @@ def test_the_coordinators_own_work_per_result_keeps_tiles_from_being_tiny():
     assert choose_tile(1024, 1024, 64, 16, crowd, 1, CONFIG) > 16
 
 
-def test_the_floor_is_kept_even_when_nothing_larger_fits():
+def test_the_smallest_tile_when_none_fits():
+    """Half the project's tile, the least any host must hold or send (the scheduler gives
+    a tile too large for a host to others, or, no one else able to, to an idle one)."""
     crowd = Crowd(hosts=1, gflops=50.0, overhead=0.01, memory_bytes=1)
-    assert choose_tile(1024, 1024, 1024, 64, crowd, 2, CONFIG) == 64
+    assert choose_tile(1024, 1024, 1024, 64, crowd, 2, CONFIG) == 32
+    slow = Crowd(hosts=1, gflops=50.0, overhead=0.01, upload_per_byte=1.0)
+    capped = dataclasses.replace(CONFIG, max_upload_seconds=1.0)
+    assert choose_tile(2048, 2048, 512, 256, slow, 1, capped) == 128
 
 
-def test_the_slowest_uplink_caps_the_tile():
+def test_the_typical_uplink_caps_the_tile():
     """One fast host takes a 2048 x 2048 product whole on loopback; at 100 KB/s up, its
     16 MB would take minutes to send, and tiles of 256 (2.6 s each) are the largest whose
     upload fits the cap."""
     fast = Crowd(hosts=1, gflops=50.0, overhead=0.01)
-    slow = dataclasses.replace(fast, upload_per_byte=1e-5, slowest_upload_per_byte=1e-5)
+    slow = dataclasses.replace(fast, upload_per_byte=1e-5)
     capped = dataclasses.replace(CONFIG, max_upload_seconds=6.875)
     assert choose_tile(2048, 2048, 512, 256, fast, 1, capped) == 2048
     assert choose_tile(2048, 2048, 512, 256, slow, 1, capped) == 256
     # 10 KB/s: the project's tile would take 26 s; half of it, 6.6 s, fits.
-    slower = dataclasses.replace(slow, slowest_upload_per_byte=1e-4)
+    slower = dataclasses.replace(slow, upload_per_byte=1e-4)
     assert choose_tile(2048, 2048, 512, 256, slower, 1, capped) == 128
 
 
@@ -162,16 +167,22 @@ def test_the_crowd_watch_takes_each_hosts_upload_out_of_what_a_tile_costs():
     assert watch.cost() == (pytest.approx(0.03), 0.0)
 
 
-def test_the_crowd_has_its_hosts_typical_and_slowest_uplinks():
+def test_one_slow_host_does_not_set_the_crowds_uplink():
+    """A slow host (or one that makes itself look slow) does not shrink every host's tiles:
+    the typical host's uplink sizes them (of two, the faster); tiles too large for the slow
+    one go to others."""
     hosts = {i: Host(i, f"h{i}", f"t{i}", 0.0, last_contact=100.0, gflops=10.0) for i in (1, 2, 3)}
     uplinks = Uplinks()
     uplinks.timed(1, 1_000_000, 10.0)  # 100 KB/s
-    uplinks.timed(2, 1_000_000, 1.0)  # 1 MB/s
-    watch = CrowdWatch(types.SimpleNamespace(hosts=hosts), uplinks)  # host 3: not measured
-    crowd = watch.crowd(100.0)
-    assert crowd.hosts == 3
-    assert crowd.upload_per_byte == pytest.approx(1e-6)
-    assert crowd.slowest_upload_per_byte == pytest.approx(1e-5)
+    uplinks.timed(2, 1_000_000, 1.0)  # 1 MB/s; host 3 not measured
+
+    def crowd_of(*ids: int) -> Crowd:
+        ledger = types.SimpleNamespace(hosts={i: hosts[i] for i in ids})
+        return CrowdWatch(ledger, uplinks).crowd(100.0)
+
+    assert crowd_of(1, 2, 3).upload_per_byte == pytest.approx(1e-6)
+    assert crowd_of(1, 2).upload_per_byte == pytest.approx(1e-6)
+    assert crowd_of(1).upload_per_byte == pytest.approx(1e-5)
 
 
 async def test_a_product_cut_for_the_crowd_has_the_kernels_bits(tmp_path, rng):

@@ -9,12 +9,13 @@ import time
 import msgpack
 import pytest
 
+import kernels
 from coordinator.engine.config import CoordinatorConfig
 from coordinator.engine.coordinator import Coordinator
 from coordinator.engine.uplinks import FREE_PER_BYTE, MIN_SAMPLE, Uplinks
 from coordinator.engine.waiting import explain
 from coordinator.state.memory import MemoryStore
-from coordinator.work.protocol import RegisterRequest, WorkRequest
+from coordinator.work.protocol import RegisterRequest, ReportRequest, ResultReport, WorkRequest
 from coordinator.work.records import Policy
 from tests.factories import operands
 
@@ -43,7 +44,7 @@ def test_a_fast_uplink_counts_as_free():
     uplinks.timed(1, 8_000_000, 8_000_000 * FREE_PER_BYTE / 2)
     assert uplinks.rate(1) == pytest.approx(2 / FREE_PER_BYTE)
     assert uplinks.per_byte(1) == 0.0
-    assert uplinks.typical([1, 2]) == (0.0, 0.0)
+    assert uplinks.typical([1, 2]) == 0.0
 
 
 async def started(tmp_path, tile: int = 16) -> Coordinator:
@@ -55,11 +56,11 @@ async def started(tmp_path, tile: int = 16) -> Coordinator:
     return co
 
 
-async def test_the_results_a_slow_report_may_carry_do_not_time_out_while_it_arrives(tmp_path, rng):
+async def test_the_results_a_report_may_carry_are_leased_while_it_arrives(tmp_path, rng):
     """A host's first tiles go out before its uplink is known, with deadlines of seconds.
-    While a report arrives at 100 KB/s, the results it held when the report began are due
-    only once the rest of it could have arrived (twice over, and the floor); a result
-    given to it later is not."""
+    While a report arrives, each sign of it leases the results the host held when it began
+    the deadline floor from then (a result given to it later is not its to carry): they
+    time out only once the report stops coming."""
     co = await started(tmp_path)
     try:
         host, _ = await co.hosts.register(RegisterRequest("h", 10.0, 1, 512), time.time())
@@ -69,36 +70,65 @@ async def test_the_results_a_slow_report_may_carry_do_not_time_out_while_it_arri
         request = WorkRequest("r1", 1, (), (), None, False)
         answer = await co.requests.request_work(host, request, time.time())
         (first,) = msgpack.unpackb(answer.body)["assignments"]
-        now = time.time()
-        before = co.ledger.results[first["result_id"]].report_deadline
-        # 2 MB of 12 arrived in 20 s, the report begun after the tile was sent: 10 MB to go
-        # at 100 KB/s is 100 s, and its deadline 2 x 100 s + 5 s from now.
-        co.reports.arriving(host.id, 2_000_000, 12_000_000, 20.0, now + 20.0)
-        after = co.ledger.results[first["result_id"]].report_deadline
-        assert before < now + 10
-        assert after == pytest.approx(now + 20.0 + 2 * 100.0 + 5.0)
-        # A report begun before the tile was sent cannot carry it.
+        sent = co.ledger.results[first["result_id"]]
+        began = time.time()
+        # The report is still arriving 100 s on: the result is due 5 s after that.
+        co.reports.arriving(host.id, began, began + 100.0)
+        assert co.ledger.results[first["result_id"]].report_deadline == began + 105.0
+        assert sent.report_deadline < began + 10  # as it was sent
+        # Given after the report began: not leased.
         second = WorkRequest("r2", 1, (), (first["result_id"],), None, False)
         answer = await co.requests.request_work(host, second, time.time())
         (later,) = msgpack.unpackb(answer.body)["assignments"]
         due = co.ledger.results[later["result_id"]].report_deadline
-        co.reports.arriving(host.id, 2_000_000, 12_000_000, 60.0, time.time())
+        co.reports.arriving(host.id, began, began + 101.0)
         assert co.ledger.results[later["result_id"]].report_deadline == due
         product.cancel()
     finally:
         await co.stop()
 
 
-async def test_once_the_uplink_is_known_a_tile_it_cannot_send_in_time_is_not_given_to_it(
+async def test_the_crowds_cost_line_takes_out_a_tiles_upload_not_its_panels(tmp_path, rng):
+    """A result back 0.5 s after it was sent, 1 ms of it computing, from a host whose
+    uplink takes 0.12 s for the 12 KB tile: 0.38 s is what a tile costs beyond its
+    arithmetic and its upload. The panels' 18 KB came down, not up."""
+    co = await started(tmp_path, tile=64)
+    try:
+        host, _ = await co.hosts.register(RegisterRequest("h", 10.0, 1, 512), time.time())
+        co.uplinks.timed(host.id, 1_000_000, 10.0)  # 100 KB/s
+        a, b = operands(rng, 64, 48, 40, True, False)
+        product = asyncio.create_task(co.products.matmul(a, b, trans_a=True, label="x"))
+        await asyncio.wait_for(_published(co), 10)
+        request = WorkRequest("r1", 1, (), (), None, False)
+        (assignment,) = msgpack.unpackb(
+            (await co.requests.request_work(host, request, time.time())).body
+        )["assignments"]
+        tile = kernels.gemm(
+            co.blobs.get_array(assignment["a"]), co.blobs.get_array(assignment["b"]), trans_a=True
+        )
+        blob = kernels.encode_array(tile)
+        entry = ResultReport(assignment["result_id"], kernels.blob_id(blob), blob, None, 0.001)
+        sent = co.ledger.results[assignment["result_id"]].sent_time
+        await co.reports.report(host, ReportRequest((entry,)), sent + 0.5)
+        overhead, _ = co.crowd.cost()
+        assert overhead == pytest.approx(0.5 - 0.001 - 4 * 64 * 48 * 1e-5)
+        await asyncio.wait_for(product, 10)
+    finally:
+        await co.stop()
+
+
+async def test_a_tile_no_host_can_send_in_time_waits_says_why_then_goes_to_an_idle_one(
     tmp_path, rng
 ):
     """Work waits, and says why: the volunteer is told in its reply, the operator by the
-    wait's reason (the log, status, the dashboard)."""
+    wait's reason (the log, status, the dashboard). Once the wait is said, a host with
+    nothing queued on its uplink takes the tile all the same, due at delay_bound, rather
+    than leave it unsent for ever (a product cut before any uplink was known)."""
     co = await started(tmp_path, tile=64)
     try:
         host, _ = await co.hosts.register(RegisterRequest("h", 10.0, 1, 512), time.time())
         co.uplinks.timed(host.id, 1_000_000, 10_000.0)  # 100 B/s: a 16 KB tile takes 164 s
-        a, b = operands(rng, 64, 64, 16, True, False)
+        a, b = operands(rng, 128, 64, 16, True, False)  # two tiles of 64 x 64
         product = asyncio.create_task(co.products.matmul(a, b, trans_a=True, label="x"))
         await asyncio.wait_for(_published(co), 10)
         request = WorkRequest("r1", 4, (), (), None, False)
@@ -108,6 +138,18 @@ async def test_once_the_uplink_is_known_a_tile_it_cannot_send_in_time_is_not_giv
         wait = explain(co.ledger, False, time.time(), None, co._too_slow)
         assert wait is not None and wait.reason == "hosts_too_slow", wait
         assert "faster uplink" in wait.message
+        now = time.time()
+        while co.waiting.reason != "hosts_too_slow":  # two looks in a row say a wait
+            co.waiting.check(now)
+            assert time.time() - now < 10
+        request = WorkRequest("r2", 4, (), (), None, False)
+        reply = msgpack.unpackb((await co.requests.request_work(host, request, time.time())).body)
+        (assignment,) = reply["assignments"]
+        assert assignment["deadline_in"] == pytest.approx(60.0, abs=1.0)  # delay_bound
+        again = WorkRequest("r3", 4, (), (assignment["result_id"],), None, False)
+        reply = msgpack.unpackb((await co.requests.request_work(host, again, time.time())).body)
+        assert reply["assignments"] == []  # one at a time: its uplink holds one already
+        assert len(co.ledger.unsent) == 1
         product.cancel()
     finally:
         await co.stop()
