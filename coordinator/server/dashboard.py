@@ -283,7 +283,8 @@ def host_table(co: Coordinator, now: float) -> str:
     return (
         "<table id='hosts'><tr><th class='l'>name</th><th>id</th>"
         "<th title='measured by the volunteer when it started'>benchmark GFLOPS</th>"
-        "<th title='as the reports of 64 KB or more it took took to arrive'>uplink</th>"
+        "<th title='timed from the reports of 64 KB or more it sent and the coordinator "
+        "took'>uplink</th>"
         "<th>trust (CV)</th><th>valid</th><th>invalid</th><th>errors</th>"
         "<th>quota</th><th>last contact</th><th class='l'>state</th></tr>"
         + rows
