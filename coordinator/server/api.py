@@ -382,8 +382,8 @@ async def report(request: web.Request) -> web.Response:
     message = protocol.parse_report(body)
     summary = await co.reports.report(host, message, time.time())
     if pace and summary["accepted"]:
-        # Its uplink, as the body took to arrive (engine/uplinks.py): a report that brought
-        # work, not one a host could make slow or fast at will.
+        # Its uplink, as the body took to arrive (engine/uplinks.py): from reports it takes
+        # only, so that junk sent slowly does not make a host's uplink look slow.
         co.uplinks.timed(host.id, *pace[0])
     summary.update(local_offer(request))
     if message.work is None:
