@@ -32,7 +32,7 @@ from coordinator.rules.scheduler import (
     Scheduler,
     tile_upload_bytes,
     too_slow_to_upload,
-    wants_tile,
+    uploads_tile,
 )
 from coordinator.state.blobs import BlobStore
 from coordinator.state.ledger import Ledger
@@ -129,7 +129,7 @@ class Coordinator:
         per_byte = self.uplinks.per_byte(host.id)
         if not per_byte or not too_slow_to_upload(wu, per_byte, self.config.scheduler):
             return 0.0
-        if wu.min_quorum > 1 and not wants_tile(self.ledger.results_for(wu.id)):
+        if not uploads_tile(wu, self.ledger.results_for(wu.id), self.config.scheduler):
             return 0.0
         return tile_upload_bytes(wu) * per_byte
 

@@ -21,7 +21,7 @@ from coordinator.engine.offload import offload
 from coordinator.engine.products import Products
 from coordinator.engine.reports import quarantine_event
 from coordinator.rules import sizing, trust, validator
-from coordinator.rules.scheduler import tile_upload_bytes
+from coordinator.rules.scheduler import queued_upload_bytes
 from coordinator.rules.transitioner import transition
 from coordinator.state.blobs import BlobStore
 from coordinator.state.ledger import Ledger
@@ -382,7 +382,7 @@ class Passes:
         it after all."""
         host_id = result.host_id
         assert host_id is not None
-        uploads = per_byte * self._queued_bytes(host_id) if per_byte else 0.0
+        uploads = per_byte * queued_upload_bytes(self.ledger, host_id) if per_byte else 0.0
         judged_at = (result.sent_time or now) + lag + self.config.straggler_factor * uploads
         if judged_at <= now:
             sitting.add(host_id)
@@ -400,15 +400,6 @@ class Passes:
                 del self._judging[result_id]
                 hosts.append(host_id)
         return hosts
-
-    def _queued_bytes(self, host_id: int) -> int:
-        """Bytes of the tiles the host holds and is to upload (rules/scheduler.py)."""
-        ledger = self.ledger
-        return sum(
-            tile_upload_bytes(ledger.wus[ledger.results[r].wu_id])
-            for r in ledger.in_progress_of.get(host_id, ())
-            if ledger.results[r].upload_tile
-        )
 
     def _accelerate_tails(self, now: float) -> None:
         """Spare replicas for the last work units of a GEMM that is nearly done."""

@@ -139,6 +139,16 @@ def tile_upload_bytes(wu: WorkUnit) -> int:
     return 4 * m * n
 
 
+def queued_upload_bytes(ledger: Ledger, host_id: int) -> int:
+    """Bytes of the tiles the host holds and is to upload: its uplink's queue."""
+    queued = 0
+    for result_id in ledger.in_progress_of.get(host_id, ()):
+        result = ledger.results[result_id]
+        if result.upload_tile:
+            queued += tile_upload_bytes(ledger.wus[result.wu_id])
+    return queued
+
+
 def too_slow_to_upload(wu: WorkUnit, per_byte: float, config: SchedulerConfig) -> bool:
     """Whether an uplink of `per_byte` seconds a byte takes longer to send the tile alone
     than a host may have queued (upload_budget): no deadline would hold."""
@@ -246,6 +256,16 @@ def timed_out(result: Result) -> bool:
     )
 
 
+def uploads_tile(wu: WorkUnit, siblings: list[Result], config: SchedulerConfig) -> bool:
+    """Whether a replica of `wu` sent now uploads its tile, not only its hash."""
+    return (
+        wants_tile(siblings)
+        or wu.min_quorum <= 1
+        or wu.accelerated
+        or not config.hash_only_replicas
+    )
+
+
 def wants_tile(wu_results: list[Result]) -> bool:
     """Upload the full tile unless another live replica already does."""
     usable = (ValidateState.INIT, ValidateState.VALID)
@@ -283,7 +303,7 @@ class Scheduler:
         too fast to matter); `upload_anyway`: no connected host can send some tiles in
         time, and one goes to a host with nothing queued on its uplink all the same."""
         plan = Plan()
-        queued = self._queued_bytes(host) if upload_per_byte else 0
+        queued = queued_upload_bytes(self.ledger, host.id) if upload_per_byte else 0
         uplink = Uplink(upload_per_byte, queued, upload_anyway)
         ledger = self.ledger
         listed = set(request.in_progress)
@@ -389,16 +409,6 @@ class Scheduler:
                 held[gemm] = held.get(gemm, 0) + 1
         return held
 
-    def _queued_bytes(self, host: Host) -> int:
-        """Bytes of the tiles the host holds and is to upload: its uplink's queue."""
-        ledger = self.ledger
-        queued = 0
-        for result_id in ledger.in_progress_of.get(host.id, ()):
-            result = ledger.results[result_id]
-            if result.upload_tile:
-                queued += tile_upload_bytes(ledger.wus[result.wu_id])
-        return queued
-
     def _gemm_of(self, result_id: str) -> str | None:
         result = self.ledger.results.get(result_id)
         wu = self.ledger.wus.get(result.wu_id) if result is not None else None
@@ -452,12 +462,7 @@ class Scheduler:
                 return None
         # Before _maybe_trust, which records its choice: a work unit it could send alone
         # has no replica out yet, so wants_tile already holds for it.
-        upload_tile = (
-            wants_tile(siblings)
-            or wu.min_quorum <= 1
-            or wu.accelerated
-            or not self.config.hash_only_replicas
-        )
+        upload_tile = uploads_tile(wu, siblings, self.config)
         uploads = 0.0  # seconds of uploads queued on the host's uplink up to this tile's
         if upload_tile and uplink.per_byte:
             tile = tile_upload_bytes(wu)
