@@ -17,6 +17,7 @@ from typing import Any
 
 import click
 
+from kernels import processes
 from kernels.malloc import return_freed_memory
 from volunteer.address import NotACoordinator, check_url
 from volunteer.daemon import NotEnoughMemory, Volunteer, VolunteerConfig, default_threads
@@ -252,6 +253,8 @@ def _run(config: VolunteerConfig, state: StateDir, report: int | None) -> None:
     except AlreadyRunning as exc:
         fail(str(exc))
         return
+    # By this name an idle-only volunteer on this machine does not count it as the owner's.
+    processes.name_this_process(processes.VOLUNTEER)
     try:
         return_freed_memory()  # before the kernel's threads: its resident size is what it holds
         worker = Volunteer(config)

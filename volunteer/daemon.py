@@ -22,6 +22,7 @@ from volunteer.address import NotACoordinator
 from volunteer.backoff import Backoff
 from volunteer.cache import BlobCache
 from volunteer.client import CoordinatorClient, compute_tile
+from volunteer.idle import OwnerWatch
 from volunteer.loop import PullLoop
 from volunteer.policy import GROWTH, MB, WORKSPACE_PER_THREAD, computes_inline
 from volunteer.session import ProjectFinished, Quarantined
@@ -105,6 +106,8 @@ class Volunteer(PullLoop):
         self.server_note = ""  # the coordinator's last word on why there is no work for us
         self._logged_note = ""
         self.started = time.monotonic()
+        self.owner = OwnerWatch()  # the owner's use of the machine (--idle-only)
+        self._owner_busy = False
 
     def prepare(self) -> None:
         """Measure speed, fix the memory budget, lower our priority. Raises NotEnoughMemory."""
@@ -181,9 +184,16 @@ class Volunteer(PullLoop):
         self.state_dir.identity_file.unlink(missing_ok=True)
 
     def _paused(self) -> float:
-        if self.config.idle_only and machine_busy():
+        if not self.config.idle_only:
+            return 0.0
+        busy = self.owner.busy()
+        others = f"other programs use {self.owner.share or 0.0:.0%} of a core"
+        if busy != self._owner_busy:  # said once a pause, not every look
+            self._owner_busy = busy
+            log.info("%s: %s (--idle-only)", "pausing" if busy else "resuming", others)
+        if busy:
             self.state = "paused"
-            self.note = "machine busy (--idle-only)"
+            self.note = f"machine busy: {others} (--idle-only)"
             return 2.0
         return 0.0
 
@@ -244,28 +254,3 @@ def measure_gflops(threads: int, size: int = 192) -> float:
         kernels.gemm(a, a, out=out, threads=threads)
         best = min(best, time.perf_counter() - start)
     return 2 * size**3 / best / 1e9
-
-
-_last_cpu: tuple[float, float] | None = None
-
-
-def machine_busy(threshold: float = 0.5) -> bool:
-    """True when other processes used more than `threshold` of one core since the last call."""
-    global _last_cpu
-    try:
-        with open("/proc/stat") as f:
-            fields = [float(x) for x in f.readline().split()[1:]]
-        with open("/proc/self/stat") as f:
-            own = f.read().rsplit(")", 1)[1].split()
-    except OSError:
-        return False
-    ticks = os.sysconf("SC_CLK_TCK")
-    busy = (sum(fields) - fields[3] - (fields[4] if len(fields) > 4 else 0)) / ticks
-    mine = (float(own[11]) + float(own[12])) / ticks
-    now = time.monotonic()
-    sample = (busy - mine, now)
-    previous, _last_cpu = _last_cpu, sample
-    if previous is None:
-        return False
-    others, elapsed = sample[0] - previous[0], now - previous[1]
-    return elapsed > 0 and others / elapsed > threshold

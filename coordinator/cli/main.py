@@ -23,7 +23,7 @@ from coordinator.training.project import MAX_SEED, MAX_STEPS, MODELS, ProjectErr
 from coordinator.training.project import create as create_project
 from coordinator.training.project import load as load_project
 from coordinator.work.records import ValidateState, WuState, short_workunit_id
-from kernels import reference
+from kernels import processes, reference
 from kernels.malloc import keep_freed_memory
 from volunteer.cli import Folder, emulate, log_format_option, option, volunteer
 from volunteer.logsetup import configure as configure_logging
@@ -240,6 +240,9 @@ def coordinator_command(
     host, port = _bind(bind)
     project = load_project(directory)
     configure_logging(log_format)
+    # Its work serves the volunteers: an idle-only one on this machine does not count it as
+    # the owner's use of the machine (volunteer/idle.py), which it knows by this name.
+    processes.name_this_process(processes.COORDINATOR)
     try:
         code = asyncio.run(host_project(project, host, port, keep_serving, blob_memory))
     except CannotListen as exc:

@@ -557,3 +557,34 @@ def test_a_volunteer_leaving_a_directory_made_anew_leaves_the_new_pid_file(tmp_p
         assert new.holds(new_lock) and new.running_pid() == os.getpid()
     finally:
         new.release(new_lock)
+
+
+async def test_an_idle_only_volunteer_beside_its_coordinator_trains_and_names_them_tilehives(
+    tmp_path, reaper
+):
+    """A project host lending its idle cores (`--idle-only` on the coordinator's machine):
+    the coordinator's work is tilehive's, not the owner's, so it does not pause the volunteer.
+    It did: each tile the volunteer computed kept the coordinator busy, which paused it, and
+    a tiny-gpt step took about 30 s instead of a tenth of one."""
+    from coordinator.training import project as projects
+    from kernels import processes
+    from tests.factories import SMALL, start_coordinator
+    from volunteer.idle import OwnerWatch
+
+    directory = tmp_path / "project"
+    projects.create(directory, **{**SMALL, "training.steps": 2, "work.policy": "freivalds"})
+    port = free_port()
+    log = tmp_path / "coordinator.log"
+    coordinator = reaper(start_coordinator(directory, port, log))
+    state_dir = tmp_path / "v"
+    volunteer = reaper(start_volunteer(f"http://127.0.0.1:{port}", state_dir, "--idle-only"))
+    try:
+        await wait_until(lambda: volunteer_status(state_dir).get("tiles", 0) > 0, 120)
+        assert processes.process_name(coordinator.pid) == processes.COORDINATOR
+        assert processes.process_name(volunteer.pid) == processes.VOLUNTEER
+        # So the volunteer's look at the machine counts the coordinator's CPU as tilehive's.
+        assert coordinator.pid in OwnerWatch().sample(0.0).ours
+        assert await asyncio.to_thread(coordinator.wait, 300) == 0, log.read_text()[-3000:]
+    finally:
+        stop(volunteer)
+    assert (directory / "checkpoints" / "step-000002.npz").exists()
