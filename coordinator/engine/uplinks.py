@@ -24,6 +24,9 @@ WEIGHT = 0.3  # of each new sample in a host's moving average
 # tile's round trip and deadline floor): a host on loopback or a LAN, whose reports a busy
 # loop reads at tens of MB/s, keeps the deadlines and the tiles it had.
 FREE_PER_BYTE = 1e-7  # seconds a byte: 10 MB/s
+# A host's average older than this says little of its link now (a laptop taken from home
+# to the office): the next sample replaces it rather than moving it by WEIGHT.
+STALE = 600.0  # seconds
 
 
 class Uplinks:
@@ -31,14 +34,19 @@ class Uplinks:
 
     def __init__(self) -> None:
         self._per_byte: dict[int, float] = {}
+        self._when: dict[int, float] = {}  # when each host's uplink was last timed
 
-    def timed(self, host_id: int, nbytes: int, seconds: float) -> None:
-        """A body of `nbytes` from the host arrived in `seconds`."""
+    def timed(self, host_id: int, nbytes: int, seconds: float, now: float) -> None:
+        """A body of `nbytes` from the host arrived in `seconds`, by `now`."""
         if nbytes < MIN_SAMPLE:
             return
         sample = max(seconds, 0.0) / nbytes
         old = self._per_byte.get(host_id)
-        self._per_byte[host_id] = sample if old is None else old + WEIGHT * (sample - old)
+        if old is None or now - self._when[host_id] > STALE:
+            self._per_byte[host_id] = sample
+        else:
+            self._per_byte[host_id] = old + WEIGHT * (sample - old)
+        self._when[host_id] = now
 
     def per_byte(self, host_id: int) -> float:
         """Seconds a byte takes the host's uplink; 0.0 when not measured, or free

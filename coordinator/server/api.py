@@ -384,7 +384,7 @@ async def report(request: web.Request) -> web.Response:
     if pace and summary["accepted"]:
         # Its uplink, as the body took to arrive (engine/uplinks.py): from reports it takes
         # only, so that junk sent slowly does not make a host's uplink look slow.
-        co.uplinks.timed(host.id, *pace[0])
+        co.uplinks.timed(host.id, *pace[0], time.time())
     summary.update(local_offer(request))
     if message.work is None:
         return msgpack_response(summary)

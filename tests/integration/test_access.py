@@ -516,7 +516,7 @@ async def test_a_host_that_sits_on_a_products_only_tile_gets_a_spare_beside_it(
             await asyncio.wait_for(first, 20)
             hoarder_id = await hoarder.register("hoarder")
             if uplink is not None:
-                co.uplinks.timed(hoarder_id, 1_000_000, 1_000_000 / uplink)
+                co.uplinks.timed(hoarder_id, 1_000_000, 1_000_000 / uplink, time.time())
             product = asyncio.ensure_future(queue.matmul(a, b, step=2, label="w"))
             await wait_until(lambda: co.ledger.unsent)
             (held,) = (await hoarder.request_work("h1", capacity=1))["assignments"]

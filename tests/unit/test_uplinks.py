@@ -12,7 +12,7 @@ import pytest
 import kernels
 from coordinator.engine.config import CoordinatorConfig
 from coordinator.engine.coordinator import Coordinator
-from coordinator.engine.uplinks import FREE_PER_BYTE, MIN_SAMPLE, Uplinks
+from coordinator.engine.uplinks import FREE_PER_BYTE, MIN_SAMPLE, STALE, Uplinks
 from coordinator.engine.waiting import explain
 from coordinator.state.memory import MemoryStore
 from coordinator.work.protocol import RegisterRequest, ReportRequest, ResultReport, WorkRequest
@@ -22,26 +22,36 @@ from tests.factories import operands
 
 def test_only_bodies_large_enough_to_time_are_timed():
     uplinks = Uplinks()
-    uplinks.timed(1, MIN_SAMPLE - 1, 10.0)  # its time is the loop's, not the link's
+    uplinks.timed(1, MIN_SAMPLE - 1, 10.0, now=0.0)  # its time is the loop's, not the link's
     assert uplinks.rate(1) is None and uplinks.per_byte(1) == 0.0
-    uplinks.timed(1, 1_000_000, 10.0)
+    uplinks.timed(1, 1_000_000, 10.0, now=0.0)
     assert uplinks.rate(1) == pytest.approx(100_000)
     assert uplinks.per_byte(1) == pytest.approx(1e-5)
 
 
 def test_an_uplink_follows_its_latest_reports():
     uplinks = Uplinks()
-    uplinks.timed(1, 1_000_000, 10.0)  # 100 KB/s
+    uplinks.timed(1, 1_000_000, 10.0, now=0.0)  # 100 KB/s
     for _ in range(20):
-        uplinks.timed(1, 1_000_000, 1.0)  # then 1 MB/s
+        uplinks.timed(1, 1_000_000, 1.0, now=1.0)  # then 1 MB/s
     assert uplinks.rate(1) == pytest.approx(1e6, rel=0.01)
+
+
+def test_an_uplink_not_timed_for_long_takes_its_next_report_as_it_is():
+    """A laptop taken from home to the office: an average from long ago says little."""
+    uplinks = Uplinks()
+    uplinks.timed(1, 1_000_000, 10.0, now=0.0)  # 100 KB/s
+    uplinks.timed(1, 1_000_000, 1.0, now=STALE)  # 1 MB/s, while the average is fresh
+    assert uplinks.rate(1) == pytest.approx(1 / (0.7e-5 + 0.3e-6))
+    uplinks.timed(1, 1_000_000, 1.0, now=2 * STALE + 1)  # after a long silence
+    assert uplinks.rate(1) == pytest.approx(1e6)
 
 
 def test_a_fast_uplink_counts_as_free():
     """Loopback or a LAN, read by a busy loop at tens of MB/s: deadlines and tiles stay as
     they were."""
     uplinks = Uplinks()
-    uplinks.timed(1, 8_000_000, 8_000_000 * FREE_PER_BYTE / 2)
+    uplinks.timed(1, 8_000_000, 8_000_000 * FREE_PER_BYTE / 2, now=0.0)
     assert uplinks.rate(1) == pytest.approx(2 / FREE_PER_BYTE)
     assert uplinks.per_byte(1) == 0.0
     assert uplinks.typical([1, 2]) == 0.0
@@ -95,7 +105,7 @@ async def test_the_crowds_cost_line_takes_out_a_tiles_upload_not_its_panels(tmp_
     co = await started(tmp_path, tile=64)
     try:
         host, _ = await co.hosts.register(RegisterRequest("h", 10.0, 1, 512), time.time())
-        co.uplinks.timed(host.id, 1_000_000, 10.0)  # 100 KB/s
+        co.uplinks.timed(host.id, 1_000_000, 10.0, time.time())  # 100 KB/s
         a, b = operands(rng, 64, 48, 40, True, False)
         product = asyncio.create_task(co.products.matmul(a, b, trans_a=True, label="x"))
         await asyncio.wait_for(_published(co), 10)
@@ -127,7 +137,8 @@ async def test_a_tile_no_host_can_send_in_time_waits_says_why_then_goes_to_an_id
     co = await started(tmp_path, tile=64)
     try:
         host, _ = await co.hosts.register(RegisterRequest("h", 10.0, 1, 512), time.time())
-        co.uplinks.timed(host.id, 1_000_000, 10_000.0)  # 100 B/s: a 16 KB tile takes 164 s
+        # 100 B/s: a 16 KB tile takes 164 s
+        co.uplinks.timed(host.id, 1_000_000, 10_000.0, time.time())
         a, b = operands(rng, 128, 64, 16, True, False)  # two tiles of 64 x 64
         product = asyncio.create_task(co.products.matmul(a, b, trans_a=True, label="x"))
         await asyncio.wait_for(_published(co), 10)
