@@ -25,7 +25,7 @@ from coordinator.engine.reports import Reports
 from coordinator.engine.requests import WorkRequests
 from coordinator.engine.retention import Retention
 from coordinator.engine.uplinks import Uplinks
-from coordinator.engine.waiting import Waiting
+from coordinator.engine.waiting import QUIET_AFTER, Waiting
 from coordinator.rules import trust
 from coordinator.rules.access import Access, admin_token
 from coordinator.rules.scheduler import (
@@ -104,7 +104,11 @@ class Coordinator:
         self.passes.after_pass = self.progress.sample_rate
         self.progress.paused = lambda: self.requests.paused
         self.waiting = Waiting(
-            self.ledger, lambda: self.requests.paused, self._storage_failure, self._too_slow
+            self.ledger,
+            lambda: self.requests.paused,
+            self._storage_failure,
+            self._too_slow,
+            self._quiet,
         )
         self.progress.waiting = lambda: self.waiting.current
         self.requests.why_waiting = self.waiting.note
@@ -132,6 +136,15 @@ class Coordinator:
         if not uploads_tile(wu, self.ledger.results_for(wu.id), self.config.scheduler):
             return 0.0
         return tile_upload_bytes(wu) * per_byte
+
+    def _quiet(self, host: Host, now: float) -> float:
+        """Seconds since the host was last heard from, when it holds no work and is long
+        past due to ask again (engine/waiting.py): a volunteer killed, asleep or cut off,
+        which counts as connected for a minute yet. 0.0 otherwise."""
+        if self.ledger.in_progress_of.get(host.id):
+            return 0.0  # due by its results' deadlines, which the passes watch
+        due = max(host.last_contact, self.requests.next_ask.get(host.id, 0.0))
+        return now - host.last_contact if now > due + QUIET_AFTER else 0.0
 
     def _sat_on(self, host_id: int, now: float) -> None:
         """A host's tile needed a straggler's spare: a missed deadline for its standing (no

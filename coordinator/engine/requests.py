@@ -125,6 +125,9 @@ class WorkRequests:
         # Monotonic time by which every host told to wait has asked again (serve.py waits
         # that long, at most, for them to hear that the project is finished).
         self.asks_due_by = 0.0
+        # Wall time by which each host was due to ask again, by the delay it was last told
+        # (engine/waiting.py: a host long past it has gone quiet).
+        self.next_ask: dict[int, float] = {}
         self._inflight: dict[tuple[int, str], asyncio.Future] = {}
         self.cooling = Cooling()  # hosts that sat on a tile wait before they get more
 
@@ -270,6 +273,7 @@ class WorkRequests:
             "bytes_saved": plan.bytes_saved,
             "delay": delay,
         }
+        self.next_ask[host.id] = time.time() + max(delay, cooling)
         if cooling:
             delay = max(delay, cooling)
             message["delay"] = delay

@@ -23,13 +23,18 @@ from coordinator.work.records import Host, Outcome, ServerState, ValidateState, 
 log = logging.getLogger(__name__)
 
 CONNECTED_WITHIN = 60.0  # seconds since its last request for a host to count as connected
+# Seconds past the delay it was told before a host that holds no work counts as quiet: a
+# volunteer with no work asks again within its own backoff (10 s at most) or that delay,
+# whichever is longer, and a round trip later it has been heard.
+QUIET_AFTER = 15.0
 SAMPLE = 256  # waiting results looked at: enough to tell, few enough for 10,000 hosts
 MB = 1 << 20
 
 
 @dataclass(frozen=True, slots=True)
 class Wait:
-    # paused | storage | no_volunteers | hosts_too_small | hosts_too_slow | needs_hosts
+    # paused | storage | no_volunteers | hosts_too_small | hosts_too_slow | hosts_quiet |
+    # needs_hosts
     reason: str
     message: str
     tiles: int = 0  # results waiting to be sent
@@ -50,11 +55,14 @@ def explain(
     now: float,
     storage: str | None = None,
     too_slow: Callable[[Host, WorkUnit], float] = lambda host, wu: 0.0,
+    quiet: Callable[[Host, float], float] = lambda host, now: 0.0,
 ) -> Wait | None:
     """Why the unsent work is not going out, or None when it is (or there is none).
     `storage`: what the blob store's writer last failed with, if it is failing.
     `too_slow(host, wu)`: the seconds the host's uplink would take to send the work
-    unit's tile when that is past what a deadline allows (rules/scheduler.py), else 0."""
+    unit's tile when that is past what a deadline allows (rules/scheduler.py), else 0.
+    `quiet(host, now)`: the seconds since the host was last heard from, when it is long past
+    due to ask again and holds no work (stopped, asleep or cut off), else 0."""
     if paused:
         return Wait(
             "paused",
@@ -81,9 +89,14 @@ def explain(
             "(start one: tilehive volunteer start URL)",
             waiting,
         )
-    too_small = held = quorum = slow = 0
+    # Each host's silence, looked at once; the hosts heard from lately come first, so that
+    # work flows at the first that may take it, and a quiet one reached means none may.
+    quiet_for = {h.id: quiet(h, now) for h in hosts}
+    hosts = [h for h in hosts if not quiet_for[h.id]] + [h for h in hosts if quiet_for[h.id]]
+    too_small = held = quorum = slow = silent = 0
     need = 0
     fastest = 0.0  # the least seconds a connected host's uplink needs for a tile it cannot send
+    heard = 0.0  # the seconds since the last word of a quiet host that could take the work
     policy = ""
     for result_id in itertools.islice(ledger.unsent, SAMPLE):
         result = ledger.results.get(result_id)
@@ -96,6 +109,7 @@ def explain(
         holders = ledger.hosts_of_wu.get(wu.id, set())
         fits = False
         upload = 0.0  # the least seconds a host that has the memory needs to send it
+        silence = 0.0  # how long the quiet host that may take it has been quiet
         for h in hosts:  # usually the first host settles it: with many, work flows
             if h.max_memory_mb and wants > h.max_memory_mb * MB:
                 continue
@@ -104,8 +118,14 @@ def explain(
                 continue
             fits = True
             if h.id not in holders or takes_replacement(h, wu, ledger.results_for(wu.id)):
-                return None  # a connected host may take it: work flows
-        if upload and not fits:
+                if not quiet_for[h.id]:
+                    return None  # a connected host may take it: work flows
+                silence = quiet_for[h.id]
+                break
+        if silence:
+            silent += 1
+            heard = max(heard, silence)
+        elif upload and not fits:
             slow += 1
             fastest = max(fastest, upload)
         elif not fits:
@@ -131,6 +151,14 @@ def explain(
             "project's work.delay_bound leaves for uploads; such tiles go one at a time to "
             "volunteers with nothing else to send (raise work.delay_bound, lower work.tile, "
             "or start a volunteer on a faster link)",
+            waiting,
+        )
+    if silent >= held and silent:
+        return Wait(
+            "hosts_quiet",
+            f"work waits for volunteers: those that could take it have not been heard from "
+            f"for {heard:.0f}s (stopped, asleep or cut off?); a volunteer counts as gone "
+            f"{CONNECTED_WITHIN:.0f}s after its last word",
             waiting,
         )
     if held:
@@ -163,11 +191,13 @@ class Waiting:
         paused: Callable[[], bool],
         storage: Callable[[], str | None] = lambda: None,
         too_slow: Callable[[Host, WorkUnit], float] = lambda host, wu: 0.0,
+        quiet: Callable[[Host, float], float] = lambda host, now: 0.0,
     ) -> None:
         self.ledger = ledger
         self.paused = paused  # the Coordinator's switch
         self.storage = storage  # the blob store's failure, as a message, or None
         self.too_slow = too_slow  # a host's uplink too slow for a tile (explain)
+        self.quiet = quiet  # a host long past due to ask (explain)
         self.current: Wait | None = None
         self._seen: str | None = None  # the reason found by the previous look
 
@@ -175,7 +205,7 @@ class Waiting:
         """Look again; True when the reason changed (and was logged). A new reason counts
         once two looks in a row find it (a moment between two products is no wait); a
         pause, the operator's own doing, and the end of a wait count at once."""
-        found = explain(self.ledger, self.paused(), now, self.storage(), self.too_slow)
+        found = explain(self.ledger, self.paused(), now, self.storage(), self.too_slow, self.quiet)
         reason = found.reason if found is not None else None
         seen, self._seen = self._seen, reason
         before = self.current

@@ -207,6 +207,31 @@ def test_a_volunteer_that_stops_is_not_waited_for(tmp_path, reaper, stop_signal)
     assert "'leaver' stopped: not waited for until it asks again" in said
 
 
+def test_a_volunteer_killed_is_said_to_be_quiet_before_it_counts_as_gone(tmp_path, reaper):
+    """Killed (or asleep, or cut off) it says nothing: it counts as connected for a minute,
+    and the operator heard nothing meanwhile. Work it could take now waits, and says why,
+    once it is well past due to ask again."""
+    project = tmp_path / "project"
+    settings = {**SMALL, "training.steps": 5000, "work.tile": 16, "work.policy": "freivalds"}
+    projects.create(project, **settings)
+    coordinator = reaper(start_coordinator(project, "127.0.0.1:0", tmp_path / "c.log"))
+    url = first_url(coordinator)
+    volunteer = reaper(start_volunteer(url, tmp_path / "v"))
+    poll(lambda: status_of(url)["training"]["step"] >= 1, what="a step done")
+    volunteer.kill()
+    volunteer.wait()
+    waits: list[dict] = []
+    poll(
+        lambda: waits.append(status_of(url).get("waiting")) or waits[-1],
+        timeout=120,
+        what="work to wait",
+    )
+    # Said before the minute after which it counts as gone (no_volunteers).
+    assert waits[-1]["reason"] == "hosts_quiet", waits[-1]
+    text = (tmp_path / "c.log").read_text()
+    assert "have not been heard from for" in text and "(stopped, asleep or cut off?)" in text
+
+
 def test_status_says_a_pause_once_and_no_eta_while_paused_or_without_a_coordinator(
     tmp_path, reaper
 ):

@@ -1,0 +1,51 @@
+"""Why work waits, when the volunteers that could take it have gone quiet: killed, asleep
+or cut off, they count as connected for a minute, and the operator heard nothing meanwhile."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import msgpack
+
+from coordinator.engine.config import CoordinatorConfig
+from coordinator.engine.coordinator import Coordinator
+from coordinator.engine.waiting import CONNECTED_WITHIN, QUIET_AFTER, explain
+from coordinator.state.memory import MemoryStore
+from coordinator.work.protocol import RegisterRequest, WorkRequest
+from coordinator.work.records import Policy
+from tests.factories import operands
+from tests.volunteers import wait_until
+
+
+async def test_work_a_quiet_volunteer_could_take_waits_for_it_and_says_so(tmp_path, rng):
+    config = CoordinatorConfig(directory=tmp_path, tile=16, policy=Policy.FREIVALDS)
+    co = Coordinator(config, MemoryStore())
+    await co.start()
+    try:
+        host, _ = await co.hosts.register(RegisterRequest("h", 10.0, 1, 512), time.time())
+        # It asks with no room (computing something else): told when to ask again.
+        request = WorkRequest("r1", 0, (), (), None, False)
+        reply = msgpack.unpackb((await co.requests.request_work(host, request, time.time())).body)
+        asked = co.ledger.hosts[host.id].last_contact
+        due = asked + reply["delay"]
+        a, b = operands(rng, 32, 16, 16, True, False)
+        product = asyncio.create_task(co.products.matmul(a, b, trans_a=True, label="x"))
+        await wait_until(lambda: co.ledger.unsent, 10)
+        # Within its backoff it will come: work flows.
+        assert explain(co.ledger, False, due + QUIET_AFTER - 1, quiet=co._quiet) is None
+        # Long past it, and a minute not yet gone: it has gone quiet, and that is why.
+        now = due + QUIET_AFTER + 1
+        assert now - asked < CONNECTED_WITHIN
+        wait = explain(co.ledger, False, now, quiet=co._quiet)
+        assert wait is not None and wait.reason == "hosts_quiet"
+        assert f"not been heard from for {now - asked:.0f}s" in wait.message
+        assert f"counts as gone {CONNECTED_WITHIN:.0f}s after its last word" in wait.message
+        # A volunteer that holds work is due by its deadlines instead, never quiet.
+        request = WorkRequest("r2", 4, (), (), None, False)
+        reply = msgpack.unpackb((await co.requests.request_work(host, request, time.time())).body)
+        assert reply["assignments"]
+        assert co._quiet(co.ledger.hosts[host.id], time.time() + 3 * QUIET_AFTER) == 0.0
+        product.cancel()
+    finally:
+        await co.stop()
