@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import logging
 import os
 import sys
 from collections.abc import Iterator
@@ -22,6 +23,8 @@ OURS = frozenset({COORDINATOR, VOLUNTEER})
 PROC = Path("/proc")
 _PR_SET_NAME = 15  # prctl(2): name the calling thread, the process's name on its main thread
 
+log = logging.getLogger(__name__)
+
 
 def name_this_process(name: str) -> None:
     """Give this process `name` (at most 15 bytes, as Linux keeps it). Called from the main
@@ -29,8 +32,12 @@ def name_this_process(name: str) -> None:
     than Linux, nothing happens."""
     if not sys.platform.startswith("linux"):
         return
-    with contextlib.suppress(OSError, AttributeError):
-        ctypes.CDLL(None).prctl(_PR_SET_NAME, name.encode()[:15], 0, 0, 0)
+    try:
+        failed = ctypes.CDLL(None).prctl(_PR_SET_NAME, name.encode()[:15], 0, 0, 0) != 0
+    except (OSError, AttributeError):
+        failed = True
+    if failed:  # an idle-only volunteer on this machine then counts this process its owner's
+        log.debug("could not name this process %s", name)
 
 
 def process_name(pid: int, proc: Path = PROC) -> str | None:

@@ -43,7 +43,8 @@ def others_share(before: Sample, after: Sample) -> float:
     elapsed = after.when - before.when
     if elapsed <= 0:
         return 0.0
-    ours = sum(after.ours[pid] - before.ours[pid] for pid in after.ours.keys() & before.ours)
+    # (A pid used again by a new process between the samples reads as less: not subtracted.)
+    ours = sum(max(after.ours[p] - before.ours[p], 0.0) for p in after.ours.keys() & before.ours)
     return max(after.busy - before.busy - ours, 0.0) / elapsed
 
 

@@ -143,8 +143,8 @@ class Coordinator:
         which counts as connected for a minute yet. 0.0 otherwise."""
         if self.ledger.in_progress_of.get(host.id):
             return 0.0  # due by its results' deadlines, which the passes watch
-        due = max(host.last_contact, self.requests.next_ask.get(host.id, 0.0))
-        return now - host.last_contact if now > due + QUIET_AFTER else 0.0
+        late = now > self.requests.due_back(host) + QUIET_AFTER
+        return now - host.last_contact if late else 0.0
 
     def _sat_on(self, host_id: int, now: float) -> None:
         """A host's tile needed a straggler's spare: a missed deadline for its standing (no

@@ -128,6 +128,7 @@ class WorkRequests:
         # Wall time by which each host was due to ask again, by the delay it was last told
         # (engine/waiting.py: a host long past it has gone quiet).
         self.next_ask: dict[int, float] = {}
+        self.started = time.time()
         self._inflight: dict[tuple[int, str], asyncio.Future] = {}
         self.cooling = Cooling()  # hosts that sat on a tile wait before they get more
 
@@ -347,6 +348,15 @@ class WorkRequests:
                 inline[blob] = data
                 size += len(data)
         return inline
+
+    def due_back(self, host: Host) -> float:
+        """Wall time by which the host was due to ask again: as its last answer told it; not
+        answered since this coordinator started, IDLE_DELAY_CAP after the later of its last
+        contact and the start (what it was told before a restart is not known)."""
+        told = self.next_ask.get(host.id)
+        if told is not None:
+            return max(told, host.last_contact)
+        return max(host.last_contact, self.started) + IDLE_DELAY_CAP
 
     def _forgive_give_backs(self, host_id: int) -> None:
         """A host that stops gives back what it held: when it returns (a restart) it may

@@ -16,6 +16,7 @@ uplink look faster, and a report beside another slower.
 from __future__ import annotations
 
 import statistics
+import time
 from collections.abc import Iterable
 
 MIN_SAMPLE = 64 << 10  # bytes: the smallest body whose arrival is timed (a tile of 128)
@@ -25,7 +26,9 @@ WEIGHT = 0.3  # of each new sample in a host's moving average
 # loop reads at tens of MB/s, keeps the deadlines and the tiles it had.
 FREE_PER_BYTE = 1e-7  # seconds a byte: 10 MB/s
 # A host's average older than this says little of its link now (a laptop taken from home
-# to the office): the next sample replaces it rather than moving it by WEIGHT.
+# to the office): it counts as unknown, and the next sample replaces it rather than moving
+# it by WEIGHT. (Left standing, a link timed slow would be given no tile large enough to
+# be timed again.)
 STALE = 600.0  # seconds
 
 
@@ -42,22 +45,27 @@ class Uplinks:
             return
         sample = max(seconds, 0.0) / nbytes
         old = self._per_byte.get(host_id)
-        if old is None or now - self._when[host_id] > STALE:
+        if old is None or self._stale(host_id, now):
             self._per_byte[host_id] = sample
         else:
             self._per_byte[host_id] = old + WEIGHT * (sample - old)
         self._when[host_id] = now
 
-    def per_byte(self, host_id: int) -> float:
-        """Seconds a byte takes the host's uplink; 0.0 when not measured, or free
-        (FREE_PER_BYTE)."""
+    def per_byte(self, host_id: int, now: float | None = None) -> float:
+        """Seconds a byte takes the host's uplink; 0.0 when not measured lately (STALE), or
+        free (FREE_PER_BYTE)."""
         per_byte = self._per_byte.get(host_id, 0.0)
-        return per_byte if per_byte > FREE_PER_BYTE else 0.0
+        if per_byte <= FREE_PER_BYTE or self._stale(host_id, now):
+            return 0.0
+        return per_byte
 
-    def rate(self, host_id: int) -> float | None:
-        """The host's uplink in bytes a second, None when not measured."""
+    def rate(self, host_id: int, now: float | None = None) -> float | None:
+        """The host's uplink in bytes a second, None when not measured lately."""
         per_byte = self._per_byte.get(host_id)
-        return None if not per_byte else 1.0 / per_byte
+        return None if not per_byte or self._stale(host_id, now) else 1.0 / per_byte
+
+    def _stale(self, host_id: int, now: float | None) -> bool:
+        return (time.time() if now is None else now) - self._when[host_id] > STALE
 
     def typical(self, host_ids: Iterable[int]) -> float:
         """Seconds a byte over the hosts, the typical one's (the lower median: of two, the
@@ -66,5 +74,6 @@ class Uplinks:
         Hosts not measured, or free, count as 0."""
         if not self._per_byte:  # nothing timed yet: no host's uplink to look up
             return 0.0
-        per_byte = [self.per_byte(h) for h in host_ids]
+        now = time.time()
+        per_byte = [self.per_byte(h, now) for h in host_ids]
         return statistics.median_low(per_byte) if per_byte else 0.0

@@ -1,6 +1,6 @@
 """Why work waits: a paused project, a blob store that cannot be written, no volunteers,
-volunteers too small for the tiles or on uplinks too slow to send them, or too few of them
-for the validation policy.
+volunteers too small for the tiles or on uplinks too slow to send them, volunteers gone
+quiet, or too few of them for the validation policy.
 
 Checked once a second. A change is said once: a warning in the log when work starts to wait
 (an info line when it flows again) and a `wait` event (`waiting` or `flowing`), so that
@@ -89,10 +89,8 @@ def explain(
             "(start one: tilehive volunteer start URL)",
             waiting,
         )
-    # Each host's silence, looked at once; the hosts heard from lately come first, so that
-    # work flows at the first that may take it, and a quiet one reached means none may.
-    quiet_for = {h.id: quiet(h, now) for h in hosts}
-    hosts = [h for h in hosts if not quiet_for[h.id]] + [h for h in hosts if quiet_for[h.id]]
+    quiet_for: dict[int, float] = {}  # each host's silence, looked at once
+    ordered = False  # the hosts heard from lately first (once a quiet one was met)
     too_small = held = quorum = slow = silent = 0
     need = 0
     fastest = 0.0  # the least seconds a connected host's uplink needs for a tile it cannot send
@@ -118,10 +116,24 @@ def explain(
                 continue
             fits = True
             if h.id not in holders or takes_replacement(h, wu, ledger.results_for(wu.id)):
-                if not quiet_for[h.id]:
+                if (seconds := quiet_for.get(h.id)) is None:
+                    seconds = quiet_for[h.id] = quiet(h, now)
+                if not seconds:
                     return None  # a connected host may take it: work flows
-                silence = quiet_for[h.id]
-                break
+                silence = silence or seconds
+                if ordered:
+                    break  # those heard from lately came first: none of them may take it
+        if silence and not ordered:
+            # A quiet host met: from now on those heard from lately are walked first, so
+            # that a quiet one reached settles a work unit (10,000 quiet hosts are walked
+            # once, not once a work unit).
+            for h in hosts:
+                if h.id not in quiet_for:
+                    quiet_for[h.id] = quiet(h, now)
+            hosts = [h for h in hosts if not quiet_for[h.id]] + [
+                h for h in hosts if quiet_for[h.id]
+            ]
+            ordered = True
         if silence:
             silent += 1
             heard = max(heard, silence)
@@ -134,7 +146,7 @@ def explain(
         else:
             held += 1
             quorum, policy = max(quorum, wu.min_quorum), wu.policy.value
-    if too_small >= held and too_small:
+    if too_small >= max(held, silent) and too_small:
         largest = max(h.max_memory_mb for h in hosts)
         return Wait(
             "hosts_too_small",
@@ -143,7 +155,7 @@ def explain(
             "--max-memory, or lower the project's work.tile)",
             waiting,
         )
-    if slow >= held and slow:
+    if slow >= max(held, silent) and slow:
         return Wait(
             "hosts_too_slow",
             f"work waits for a faster uplink: a tile would take {fastest:.0f}s to send from "
@@ -157,8 +169,9 @@ def explain(
         return Wait(
             "hosts_quiet",
             f"work waits for volunteers: those that could take it have not been heard from "
-            f"for {heard:.0f}s (stopped, asleep or cut off?); a volunteer counts as gone "
-            f"{CONNECTED_WITHIN:.0f}s after its last word",
+            f"for {heard:.0f}s (stopped, asleep, cut off, or paused by an owner with "
+            f"--idle-only?); a volunteer counts as gone {CONNECTED_WITHIN:.0f}s after its "
+            "last word",
             waiting,
         )
     if held:

@@ -173,8 +173,8 @@ def test_one_slow_host_does_not_set_the_crowds_uplink():
     one go to others."""
     hosts = {i: Host(i, f"h{i}", f"t{i}", 0.0, last_contact=100.0, gflops=10.0) for i in (1, 2, 3)}
     uplinks = Uplinks()
-    uplinks.timed(1, 1_000_000, 10.0, now=0.0)  # 100 KB/s
-    uplinks.timed(2, 1_000_000, 1.0, now=0.0)  # 1 MB/s; host 3 not measured
+    uplinks.timed(1, 1_000_000, 10.0, time.time())  # 100 KB/s
+    uplinks.timed(2, 1_000_000, 1.0, time.time())  # 1 MB/s; host 3 not measured
 
     def crowd_of(*ids: int) -> Crowd:
         ledger = types.SimpleNamespace(hosts={i: hosts[i] for i in ids})

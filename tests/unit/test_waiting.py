@@ -10,6 +10,7 @@ import msgpack
 
 from coordinator.engine.config import CoordinatorConfig
 from coordinator.engine.coordinator import Coordinator
+from coordinator.engine.requests import IDLE_DELAY_CAP
 from coordinator.engine.waiting import CONNECTED_WITHIN, QUIET_AFTER, explain
 from coordinator.state.memory import MemoryStore
 from coordinator.work.protocol import RegisterRequest, WorkRequest
@@ -47,5 +48,45 @@ async def test_work_a_quiet_volunteer_could_take_waits_for_it_and_says_so(tmp_pa
         assert reply["assignments"]
         assert co._quiet(co.ledger.hosts[host.id], time.time() + 3 * QUIET_AFTER) == 0.0
         product.cancel()
+    finally:
+        await co.stop()
+
+
+async def test_a_quiet_volunteer_does_not_hide_one_heard_from_that_may_take_the_work(tmp_path, rng):
+    co = Coordinator(CoordinatorConfig(directory=tmp_path, tile=16), MemoryStore())
+    await co.start()
+    try:
+        now = time.time()
+        quiet, _ = await co.hosts.register(RegisterRequest("quiet", 10.0, 1, 512), now)
+        awake, _ = await co.hosts.register(RegisterRequest("awake", 10.0, 1, 512), now)
+        a, b = operands(rng, 32, 16, 16, True, False)
+        product = asyncio.create_task(co.products.matmul(a, b, trans_a=True, label="x"))
+        await wait_until(lambda: co.ledger.unsent, 10)
+        later = now + 60  # both long past due, the first quiet still, the other just asked
+        co.ledger.put_host(co.ledger.hosts[awake.id].evolve(last_contact=later - 1))
+        co.requests.next_ask[quiet.id] = co.requests.next_ask[awake.id] = later - 1
+        co.ledger.put_host(co.ledger.hosts[quiet.id].evolve(last_contact=later - 30))
+        assert co._quiet(co.ledger.hosts[quiet.id], later) == 0.0  # told to come at later-1
+        co.requests.next_ask[quiet.id] = later - 30
+        assert co._quiet(co.ledger.hosts[quiet.id], later) == 30.0
+        assert explain(co.ledger, False, later, quiet=co._quiet) is None  # work flows
+        product.cancel()
+    finally:
+        await co.stop()
+
+
+async def test_a_restarted_coordinator_gives_each_host_the_longest_delay_it_tells(tmp_path):
+    """What a host was told before a restart is not known: it may be waiting out a delay of
+    up to IDLE_DELAY_CAP, and is not called quiet before that has passed."""
+    co = Coordinator(CoordinatorConfig(directory=tmp_path, tile=16), MemoryStore())
+    await co.start()
+    try:
+        started = co.requests.started
+        host, _ = await co.hosts.register(RegisterRequest("h", 10.0, 1, 512), started)
+        co.ledger.put_host(co.ledger.hosts[host.id].evolve(last_contact=started - 50))
+        host = co.ledger.hosts[host.id]
+        assert co.requests.due_back(host) == started + IDLE_DELAY_CAP
+        assert co._quiet(host, started + IDLE_DELAY_CAP + QUIET_AFTER - 1) == 0.0
+        assert co._quiet(host, started + IDLE_DELAY_CAP + QUIET_AFTER + 1) > 0.0
     finally:
         await co.stop()
