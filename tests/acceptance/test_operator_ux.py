@@ -207,16 +207,24 @@ def test_a_volunteer_that_stops_is_not_waited_for(tmp_path, reaper, stop_signal)
     assert "'leaver' stopped: not waited for until it asks again" in said
 
 
-def test_a_volunteer_killed_is_said_to_be_quiet_before_it_counts_as_gone(tmp_path, reaper):
-    """Killed (or asleep, or cut off) it says nothing: it counts as connected for a minute,
-    and the operator heard nothing meanwhile. Work it could take now waits, and says why,
-    once it is well past due to ask again."""
+def training_with_one_volunteer(
+    tmp_path, reaper
+) -> tuple[Path, subprocess.Popen, str, subprocess.Popen]:
+    """A long project under freivalds, its coordinator (logging to c.log) and one volunteer:
+    (the project, the coordinator, its URL, the volunteer)."""
     project = tmp_path / "project"
     settings = {**SMALL, "training.steps": 5000, "work.tile": 16, "work.policy": "freivalds"}
     projects.create(project, **settings)
     coordinator = reaper(start_coordinator(project, "127.0.0.1:0", tmp_path / "c.log"))
     url = first_url(coordinator)
-    volunteer = reaper(start_volunteer(url, tmp_path / "v"))
+    return project, coordinator, url, reaper(start_volunteer(url, tmp_path / "v"))
+
+
+def test_a_volunteer_killed_is_said_to_be_quiet_before_it_counts_as_gone(tmp_path, reaper):
+    """Killed (or asleep, or cut off) it says nothing: it counts as connected for a minute,
+    and the operator heard nothing meanwhile. Work it could take now waits, and says why,
+    once it is well past due to ask again."""
+    _, _, url, volunteer = training_with_one_volunteer(tmp_path, reaper)
     poll(lambda: status_of(url)["training"]["step"] >= 1, what="a step done")
     volunteer.kill()
     volunteer.wait()
@@ -238,12 +246,7 @@ def test_status_says_a_pause_once_and_no_eta_while_paused_or_without_a_coordinat
     """Once steps are timed there is an ETA; a pause takes it away everywhere an operator
     looks (the text, --json from the URL and from the files, the dashboard), and a stopped
     coordinator too."""
-    project = tmp_path / "project"
-    settings = {**SMALL, "training.steps": 5000, "work.tile": 16, "work.policy": "freivalds"}
-    projects.create(project, **settings)
-    coordinator = reaper(start_coordinator(project, "127.0.0.1:0", tmp_path / "c.log"))
-    url = first_url(coordinator)
-    volunteer = reaper(start_volunteer(url, tmp_path / "v"))
+    project, coordinator, url, volunteer = training_with_one_volunteer(tmp_path, reaper)
     poll(
         lambda: status_of(url)["training"].get("eta_seconds") is not None,
         what="a timed step, and an ETA from it",
