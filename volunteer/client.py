@@ -282,6 +282,7 @@ class CoordinatorClient:
         wait: bool = True,
         round_trip: float | None = None,
         leaving: bool = False,
+        paused: bool = False,
     ) -> dict[str, Any]:
         message: dict[str, Any] = {
             "request_id": request_id,
@@ -292,6 +293,8 @@ class CoordinatorClient:
         }
         if leaving:
             message["leaving"] = True
+        if paused:
+            message["paused"] = True
         if gflops is not None:
             message["gflops"] = gflops
         if round_trip is not None:

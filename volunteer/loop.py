@@ -56,6 +56,10 @@ from volunteer.session import (
 log = logging.getLogger(__name__)
 
 ROUND_TRIPS_KEPT = 16  # calls whose duration estimates the round trip (their minimum)
+# Seconds between two words to the coordinator while paused, at least (or the delay it last
+# told): it counts a host that holds nothing quiet 15 s after it was due to ask again
+# (coordinator/engine/waiting.py), and would take a paused one for gone.
+PAUSED_HEARTBEAT = 10.0
 
 
 class OperandCache(Protocol):
@@ -163,6 +167,7 @@ class PullLoop(CoordinatorSession):
         self.round_trips: deque[float] = deque(maxlen=ROUND_TRIPS_KEPT)
         self.flops_per_second = 0.0  # measured on the tiles computed so far
         self.leaving = False  # set when the session ends: no more asking ahead
+        self.paused_said_until = 0.0  # monotonic time until which a pause needs no word
         # Each work request has its own id: the coordinator keeps its reply under it, so
         # one request delivered twice is answered, and assigns work, once.
         self._session_id = secrets.token_hex(4)
@@ -219,8 +224,10 @@ class PullLoop(CoordinatorSession):
             if self.asking is not None:
                 await self._answer()
             await self._flush()  # finished tiles are not held back by a pause
+            await self._say_paused()
             await wait(stop, pause)
             return
+        self.paused_said_until = 0.0
         reply = None
         if self.asking is not None and (not self.queue or self.asking.done()):
             reply = await self._answer()
@@ -289,8 +296,18 @@ class PullLoop(CoordinatorSession):
         """How many more tiles to ask for."""
         return capacity(len(self.queue), self.gflops, self.tile_flops, self.max_capacity)
 
-    async def _ask(self, room: int) -> dict[str, Any]:
-        wait_for_work = self.long_poll and not self.queue
+    async def _say_paused(self) -> None:
+        """Paused, say so now and then, asking for nothing: the coordinator then says that
+        work waits for volunteers whose owners use their machines, rather than taking this
+        one for gone."""
+        now = time.monotonic()
+        if now < self.paused_said_until:
+            return
+        reply = await self._ask(0, paused=True)
+        self.paused_said_until = now + max(float(reply.get("delay", 0.0)), PAUSED_HEARTBEAT)
+
+    async def _ask(self, room: int, paused: bool = False) -> dict[str, Any]:
+        wait_for_work = self.long_poll and not self.queue and not paused
         self.asked_busy = bool(self.queue)
         request_id = f"{self._session_id}-{next(self._requests)}"
         # Reports beyond one batch go first; the last batch carries the request, and the
@@ -305,6 +322,8 @@ class PullLoop(CoordinatorSession):
             "gflops": self.gflops,
             "wait": wait_for_work,
         }
+        if paused:
+            message["paused"] = True
         if (round_trip := self.round_trip()) is not None:
             # A host far away gets the training loop's next products together, not one
             # round trip each (coordinator/rules/scheduler.py, waits_for_the_loop).

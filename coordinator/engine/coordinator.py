@@ -109,6 +109,7 @@ class Coordinator:
             self._storage_failure,
             self._too_slow,
             self._quiet,
+            self._owner_busy,
         )
         self.progress.waiting = lambda: self.waiting.current
         self.requests.why_waiting = self.waiting.note
@@ -145,6 +146,10 @@ class Coordinator:
             return 0.0  # due by its results' deadlines, which the passes watch
         late = now > self.requests.due_back(host) + QUIET_AFTER
         return now - host.last_contact if late else 0.0
+
+    def _owner_busy(self, host: Host) -> bool:
+        """Whether the host's last request said its owner uses the machine (`paused`)."""
+        return host.id in self.requests.owner_busy
 
     def _sat_on(self, host_id: int, now: float) -> None:
         """A host's tile needed a straggler's spare: a missed deadline for its standing (no

@@ -129,6 +129,8 @@ class WorkRequests:
         # (engine/waiting.py: a host long past it has gone quiet).
         self.next_ask: dict[int, float] = {}
         self.started = time.time()
+        # Hosts whose last request said their owner is using the machine (`paused`).
+        self.owner_busy: set[int] = set()
         self._inflight: dict[tuple[int, str], asyncio.Future] = {}
         self.cooling = Cooling()  # hosts that sat on a tile wait before they get more
 
@@ -192,6 +194,10 @@ class WorkRequests:
     async def _answer(self, host: Host, request: WorkRequest, now: float) -> Answer:
         # Re-read: the record may have changed while this request awaited the store.
         host = self.ledger.hosts[host.id].evolve(last_contact=now, gone=request.leaving)
+        if request.paused:
+            self.owner_busy.add(host.id)
+        else:
+            self.owner_busy.discard(host.id)
         if request.gflops:
             host = host.evolve(gflops=request.gflops)
         self.ledger.put_host(host)

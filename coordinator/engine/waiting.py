@@ -1,6 +1,6 @@
 """Why work waits: a paused project, a blob store that cannot be written, no volunteers,
 volunteers too small for the tiles or on uplinks too slow to send them, volunteers gone
-quiet, or too few of them for the validation policy.
+quiet or paused by their owners, or too few of them for the validation policy.
 
 Checked once a second. A change is said once: a warning in the log when work starts to wait
 (an info line when it flows again) and a `wait` event (`waiting` or `flowing`), so that
@@ -33,8 +33,8 @@ MB = 1 << 20
 
 @dataclass(frozen=True, slots=True)
 class Wait:
-    # paused | storage | no_volunteers | hosts_too_small | hosts_too_slow | hosts_quiet |
-    # needs_hosts
+    # paused | storage | no_volunteers | hosts_too_small | hosts_too_slow | hosts_paused |
+    # hosts_quiet | needs_hosts
     reason: str
     message: str
     tiles: int = 0  # results waiting to be sent
@@ -56,13 +56,16 @@ def explain(
     storage: str | None = None,
     too_slow: Callable[[Host, WorkUnit], float] = lambda host, wu: 0.0,
     quiet: Callable[[Host, float], float] = lambda host, now: 0.0,
+    owner_busy: Callable[[Host], bool] = lambda host: False,
 ) -> Wait | None:
     """Why the unsent work is not going out, or None when it is (or there is none).
     `storage`: what the blob store's writer last failed with, if it is failing.
     `too_slow(host, wu)`: the seconds the host's uplink would take to send the work
     unit's tile when that is past what a deadline allows (rules/scheduler.py), else 0.
     `quiet(host, now)`: the seconds since the host was last heard from, when it is long past
-    due to ask again and holds no work (stopped, asleep or cut off), else 0."""
+    due to ask again and holds no work (stopped, asleep or cut off), else 0.
+    `owner_busy(host)`: whether the host said it is paused while its owner uses the machine
+    (`--idle-only`)."""
     if paused:
         return Wait(
             "paused",
@@ -89,9 +92,15 @@ def explain(
             "(start one: tilehive volunteer start URL)",
             waiting,
         )
-    quiet_for: dict[int, float] = {}  # each host's silence, looked at once
-    ordered = False  # the hosts heard from lately first (once a quiet one was met)
-    too_small = held = quorum = slow = silent = 0
+    away_for: dict[int, float] = {}  # each host's silence (-1: paused by its owner), once
+    ordered = False  # the hosts that may take work now first (once one away was met)
+
+    def away(h: Host) -> float:
+        if (seconds := away_for.get(h.id)) is None:
+            seconds = away_for[h.id] = quiet(h, now) or (-1.0 if owner_busy(h) else 0.0)
+        return seconds
+
+    too_small = held = quorum = slow = silent = paused_by_owners = 0
     need = 0
     fastest = 0.0  # the least seconds a connected host's uplink needs for a tile it cannot send
     heard = 0.0  # the seconds since the last word of a quiet host that could take the work
@@ -107,7 +116,9 @@ def explain(
         holders = ledger.hosts_of_wu.get(wu.id, set())
         fits = False
         upload = 0.0  # the least seconds a host that has the memory needs to send it
-        silence = 0.0  # how long the quiet host that may take it has been quiet
+        # The first host away (quiet: seconds since its last word; paused by its owner:
+        # -1) that may take it, when none that may take work now may.
+        absent = 0.0
         for h in hosts:  # usually the first host settles it: with many, work flows
             if h.max_memory_mb and wants > h.max_memory_mb * MB:
                 continue
@@ -116,27 +127,22 @@ def explain(
                 continue
             fits = True
             if h.id not in holders or takes_replacement(h, wu, ledger.results_for(wu.id)):
-                if (seconds := quiet_for.get(h.id)) is None:
-                    seconds = quiet_for[h.id] = quiet(h, now)
-                if not seconds:
+                if not (seconds := away(h)):
                     return None  # a connected host may take it: work flows
-                silence = silence or seconds
+                absent = absent or seconds
                 if ordered:
-                    break  # those heard from lately came first: none of them may take it
-        if silence and not ordered:
-            # A quiet host met: from now on those heard from lately are walked first, so
-            # that a quiet one reached settles a work unit (10,000 quiet hosts are walked
+                    break  # those that may take work now came first: none of them may
+        if absent and not ordered:
+            # A host away met: from now on those that may take work now are walked first,
+            # so that one away reached settles a work unit (10,000 hosts away are walked
             # once, not once a work unit).
-            for h in hosts:
-                if h.id not in quiet_for:
-                    quiet_for[h.id] = quiet(h, now)
-            hosts = [h for h in hosts if not quiet_for[h.id]] + [
-                h for h in hosts if quiet_for[h.id]
-            ]
+            hosts = [h for h in hosts if not away(h)] + [h for h in hosts if away(h)]
             ordered = True
-        if silence:
+        if absent < 0:
+            paused_by_owners += 1
+        elif absent:
             silent += 1
-            heard = max(heard, silence)
+            heard = max(heard, absent)
         elif upload and not fits:
             slow += 1
             fastest = max(fastest, upload)
@@ -146,7 +152,8 @@ def explain(
         else:
             held += 1
             quorum, policy = max(quorum, wu.min_quorum), wu.policy.value
-    if too_small >= max(held, silent) and too_small:
+    away_count = max(held, silent, paused_by_owners)
+    if too_small >= away_count and too_small:
         largest = max(h.max_memory_mb for h in hosts)
         return Wait(
             "hosts_too_small",
@@ -155,7 +162,7 @@ def explain(
             "--max-memory, or lower the project's work.tile)",
             waiting,
         )
-    if slow >= max(held, silent) and slow:
+    if slow >= away_count and slow:
         return Wait(
             "hosts_too_slow",
             f"work waits for a faster uplink: a tile would take {fastest:.0f}s to send from "
@@ -165,13 +172,20 @@ def explain(
             "or start a volunteer on a faster link)",
             waiting,
         )
+    if paused_by_owners >= max(held, silent) and paused_by_owners:
+        return Wait(
+            "hosts_paused",
+            "work waits for volunteers: those that could take it are paused while their "
+            "owners use their machines (--idle-only); it goes on when a machine is idle "
+            "again, or when another volunteer starts",
+            waiting,
+        )
     if silent >= held and silent:
         return Wait(
             "hosts_quiet",
             f"work waits for volunteers: those that could take it have not been heard from "
-            f"for {heard:.0f}s (stopped, asleep, cut off, or paused by an owner with "
-            f"--idle-only?); a volunteer counts as gone {CONNECTED_WITHIN:.0f}s after its "
-            "last word",
+            f"for {heard:.0f}s (stopped, asleep or cut off?); a volunteer counts as gone "
+            f"{CONNECTED_WITHIN:.0f}s after its last word",
             waiting,
         )
     if held:
@@ -205,12 +219,14 @@ class Waiting:
         storage: Callable[[], str | None] = lambda: None,
         too_slow: Callable[[Host, WorkUnit], float] = lambda host, wu: 0.0,
         quiet: Callable[[Host, float], float] = lambda host, now: 0.0,
+        owner_busy: Callable[[Host], bool] = lambda host: False,
     ) -> None:
         self.ledger = ledger
         self.paused = paused  # the Coordinator's switch
         self.storage = storage  # the blob store's failure, as a message, or None
         self.too_slow = too_slow  # a host's uplink too slow for a tile (explain)
         self.quiet = quiet  # a host long past due to ask (explain)
+        self.owner_busy = owner_busy  # a host paused while its owner works (explain)
         self.current: Wait | None = None
         self._seen: str | None = None  # the reason found by the previous look
 
@@ -218,7 +234,15 @@ class Waiting:
         """Look again; True when the reason changed (and was logged). A new reason counts
         once two looks in a row find it (a moment between two products is no wait); a
         pause, the operator's own doing, and the end of a wait count at once."""
-        found = explain(self.ledger, self.paused(), now, self.storage(), self.too_slow, self.quiet)
+        found = explain(
+            self.ledger,
+            self.paused(),
+            now,
+            self.storage(),
+            self.too_slow,
+            self.quiet,
+            self.owner_busy,
+        )
         reason = found.reason if found is not None else None
         seen, self._seen = self._seen, reason
         before = self.current

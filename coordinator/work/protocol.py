@@ -276,6 +276,9 @@ class WorkRequest:
     # The host stops now (its last request; what it held it gave back or reported): it is
     # not counted as connected, nor waited for, until it asks again.
     leaving: bool = False
+    # The host's owner is using the machine (`--idle-only`): it asks for nothing, and says
+    # so now and then, until the machine is idle again (engine/waiting.py says why work waits).
+    paused: bool = False
 
 
 def parse_work_request(message: dict[str, Any]) -> WorkRequest:
@@ -290,6 +293,9 @@ def parse_work_request(message: dict[str, Any]) -> WorkRequest:
     leaving = _get(message, "leaving", bool, False)
     if leaving and capacity:
         raise BadRequest("a host that is leaving asks for no work: field 'capacity' must be 0")
+    paused = _get(message, "paused", bool, False)
+    if paused and capacity:
+        raise BadRequest("a paused host asks for no work: field 'capacity' must be 0")
     return WorkRequest(
         request_id=request_id,
         capacity=capacity,
@@ -299,6 +305,7 @@ def parse_work_request(message: dict[str, Any]) -> WorkRequest:
         wait=_get(message, "wait", bool, True),
         round_trip=None if round_trip is None else float(round_trip),
         leaving=leaving,
+        paused=paused,
     )
 
 

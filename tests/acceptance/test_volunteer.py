@@ -595,3 +595,36 @@ async def test_an_idle_only_volunteer_beside_its_coordinator_trains_and_names_th
     assert (directory / "checkpoints" / "step-000002.npz").exists()
     # Its coordinator's work never paused it (it did, every tile: two steps took a minute).
     assert "pausing:" not in (state_dir / "out").read_text()
+
+
+async def test_an_idle_only_volunteer_pauses_for_its_owner_and_the_coordinator_says_why(
+    tmp_path, reaper
+):
+    """A program of the owner's takes a core: the volunteer pauses, says so to the
+    coordinator now and then, and the operator reads why work waits (not that no volunteer
+    is connected). The program done, training goes on."""
+    from coordinator.training import project as projects
+    from tests.factories import SMALL, start_coordinator
+
+    directory = tmp_path / "project"
+    projects.create(directory, **{**SMALL, "training.steps": 5000, "work.policy": "freivalds"})
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    reaper(start_coordinator(directory, port, tmp_path / "coordinator.log"))
+    state_dir = tmp_path / "v"
+    reaper(start_volunteer(url, state_dir, "--idle-only"))
+    await wait_until(lambda: volunteer_status(state_dir).get("tiles", 0) > 0, 120)
+    owner = reaper(subprocess.Popen([sys.executable, "-c", "while True: pass"], cwd=ROOT, env=ENV))
+
+    def reason() -> str | None:
+        said = tilehive("status", url, "--json")
+        return (json.loads(said.stdout).get("waiting") or {}).get("reason")
+
+    await wait_until(lambda: reason() == "hosts_paused", 60)
+    assert "machine busy: other programs use" in volunteer_status(state_dir)["note"]
+    owner.kill()
+    owner.wait()
+    tiles = volunteer_status(state_dir)["tiles"]
+    await wait_until(lambda: volunteer_status(state_dir).get("tiles", 0) > tiles, 60)
+    out = (state_dir / "out").read_text()
+    assert "pausing: other programs use" in out and "resuming: other programs use" in out

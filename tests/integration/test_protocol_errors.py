@@ -100,6 +100,14 @@ async def test_malformed_and_forged_requests_get_clear_4xx(server):
             ("/v1/work", pack({"request_id": "r", "capacity": 0, "leaving": 1}), auth, 400, "int"),
             (
                 "/v1/work",
+                pack({"request_id": "r", "capacity": 1, "paused": True}),
+                auth,
+                400,
+                "a paused host asks for no work",
+            ),
+            ("/v1/work", pack({"request_id": "r", "capacity": 0, "paused": "y"}), auth, 400, "str"),
+            (
+                "/v1/work",
                 pack({"request_id": "r", "capacity": 1, "cached": ["zz"]}),
                 auth,
                 400,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import itertools
 import time
 from collections.abc import Callable
 from typing import Any
@@ -12,6 +13,7 @@ import numpy as np
 import pytest
 
 import kernels
+from volunteer import loop as loop_module
 from volunteer import session as session_module
 from volunteer.backoff import Backoff
 from volunteer.cache import BlobCache
@@ -608,3 +610,35 @@ async def test_reports_shrink_to_what_a_slow_uplink_moves_in_a_few_seconds(monke
     assert loop.upload_rate is not None and 0.5e6 < loop.upload_rate < 1.5e6
     # One report of all ten (1 MB, 1 s); then reports of what 0.5 s moves, about five.
     assert sent[0] == 10 and sum(sent[1:]) == 10 and max(sent[1:]) <= 6, sent
+
+
+class NoWork:
+    """A coordinator with nothing to give, which notes each ask and when it came."""
+
+    url = "http://coordinator.invalid"
+    token = "token"
+
+    def __init__(self) -> None:
+        self.asks: list[tuple[float, dict[str, Any]]] = []
+
+    async def request_work(self, request_id: str, **message: Any) -> dict[str, Any]:
+        self.asks.append((time.monotonic(), message))
+        return {"assignments": [], "delay": 0.0}
+
+
+class PausedByItsOwner(SlowTiles):
+    def _paused(self) -> float:
+        return 0.01
+
+
+async def test_a_paused_volunteer_says_so_now_and_then_and_asks_for_nothing(monkeypatch):
+    """Said to the coordinator, which counts it connected and says why work waits (its
+    owner), rather than taking it for gone once it has been quiet a while."""
+    monkeypatch.setattr(loop_module, "PAUSED_HEARTBEAT", 0.2)
+    coordinator = NoWork()
+    await run_until(coordinator, lambda: len(coordinator.asks) >= 3, PausedByItsOwner)
+    assert len(coordinator.asks) >= 3
+    for _, ask in coordinator.asks:
+        assert ask["paused"] is True and ask["capacity"] == 0 and ask["wait"] is False
+    times = [when for when, _ in coordinator.asks]
+    assert all(b - a >= 0.2 for a, b in itertools.pairwise(times))

@@ -90,3 +90,32 @@ async def test_a_restarted_coordinator_gives_each_host_the_longest_delay_it_tell
         assert co._quiet(host, started + IDLE_DELAY_CAP + QUIET_AFTER + 1) > 0.0
     finally:
         await co.stop()
+
+
+async def test_work_only_volunteers_paused_by_their_owners_could_take_waits_for_them(tmp_path, rng):
+    """An `--idle-only` volunteer whose owner uses the machine says so now and then, asking
+    for nothing: it is connected, not gone, and the operator hears why work waits."""
+    co = Coordinator(CoordinatorConfig(directory=tmp_path, tile=16), MemoryStore())
+    await co.start()
+    try:
+        host, _ = await co.hosts.register(RegisterRequest("h", 10.0, 1, 512), time.time())
+        a, b = operands(rng, 32, 16, 16, True, False)
+        product = asyncio.create_task(co.products.matmul(a, b, trans_a=True, label="x"))
+        await wait_until(lambda: co.ledger.unsent, 10)
+        paused = WorkRequest("r1", 0, (), (), None, False, paused=True)
+        reply = msgpack.unpackb((await co.requests.request_work(host, paused, time.time())).body)
+        assert reply["assignments"] == []
+        looks = {"quiet": co._quiet, "owner_busy": co._owner_busy}
+        wait = explain(co.ledger, False, time.time(), **looks)
+        assert wait is not None and wait.reason == "hosts_paused"
+        assert "paused while their owners use their machines (--idle-only)" in wait.message
+        # Its owner gone, it asks again: work flows.
+        request = WorkRequest("r2", 0, (), (), None, False)
+        await co.requests.request_work(host, request, time.time())
+        assert (
+            explain(co.ledger, False, time.time(), quiet=co._quiet, owner_busy=co._owner_busy)
+            is None
+        )
+        product.cancel()
+    finally:
+        await co.stop()
