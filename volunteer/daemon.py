@@ -34,7 +34,7 @@ log = logging.getLogger(__name__)
 ENDED = ("finished", "refused")
 # States in which the coordinator's last note (why it has no work for us) is news; in the
 # others the volunteer's own note says what is going on (offline, refused, finished).
-HEARD = ("starting", "working", "idle", "paused", "stopped")
+HEARD = ("starting", "working", "idle", "stopped")
 
 
 def default_threads() -> int:
@@ -171,6 +171,8 @@ class Volunteer(PullLoop):
         log.info("registered with %s as host %d", self.config.url, self.host_id)
 
     def _heard(self, reply: dict[str, Any], wait: bool) -> None:
+        if self.state == "paused":
+            return  # its own note says why (its owner): the answer only repeats that
         note = reply.get("note", "")
         self.server_note = note
         if note and note != self._logged_note:

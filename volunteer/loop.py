@@ -56,10 +56,11 @@ from volunteer.session import (
 log = logging.getLogger(__name__)
 
 ROUND_TRIPS_KEPT = 16  # calls whose duration estimates the round trip (their minimum)
-# Seconds between two words to the coordinator while paused, at least (or the delay it last
-# told): it counts a host that holds nothing quiet 15 s after it was due to ask again
-# (coordinator/engine/waiting.py), and would take a paused one for gone.
+# Seconds between two words to the coordinator while paused: at least this, or the delay it
+# last told, up to PAUSED_HEARTBEAT_MAX. It counts a host that holds nothing quiet 15 s after
+# it was due to ask again, and gone after 60 s of silence (coordinator/engine/waiting.py).
 PAUSED_HEARTBEAT = 10.0
+PAUSED_HEARTBEAT_MAX = 30.0
 
 
 class OperandCache(Protocol):
@@ -304,7 +305,8 @@ class PullLoop(CoordinatorSession):
         if now < self.paused_said_until:
             return
         reply = await self._ask(0, paused=True)
-        self.paused_said_until = now + max(float(reply.get("delay", 0.0)), PAUSED_HEARTBEAT)
+        delay = max(float(reply.get("delay", 0.0)), PAUSED_HEARTBEAT)
+        self.paused_said_until = now + min(delay, PAUSED_HEARTBEAT_MAX)
 
     async def _ask(self, room: int, paused: bool = False) -> dict[str, Any]:
         wait_for_work = self.long_poll and not self.queue and not paused

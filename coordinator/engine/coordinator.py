@@ -115,6 +115,7 @@ class Coordinator:
         self.requests.why_waiting = self.waiting.note
         self.requests.between_products = lambda: self.products.between
         self.requests.crowd = self.crowd.hosts
+        self.crowd.away = self.requests.owner_busy.__contains__
         self.requests.upload_per_byte = self.uplinks.per_byte
         self.requests.uplinks_too_slow = lambda: self.waiting.reason == "hosts_too_slow"
         self.reports.reported = self.requests.reported

@@ -5,6 +5,7 @@ their uplinks were timed (engine/uplinks.py). Products are cut to fit it (rules/
 from __future__ import annotations
 
 import statistics
+from collections.abc import Callable
 from dataclasses import replace
 
 from coordinator.engine.uplinks import Uplinks
@@ -36,6 +37,9 @@ class CrowdWatch:
         self._sizes: dict[int, list[float]] = {}
         self._hosts: tuple[float, Crowd] | None = None
         self._fitted: tuple[float, int, Crowd] | None = None  # (when, sizes seen, the crowd)
+        # Hosts in contact that take no work now (paused while their owners use their
+        # machines): products are not cut, nor shares counted, for them.
+        self.away: Callable[[int], bool] = lambda host_id: False
 
     def observe(
         self, turnaround: float, compute: float, nbytes: int, now: float = 0.0, upload: float = 0.0
@@ -102,7 +106,7 @@ class CrowdWatch:
             hosts = [
                 h
                 for h in self.ledger.hosts.values()
-                if h.in_service and now - h.last_contact <= RECENT
+                if h.in_service and now - h.last_contact <= RECENT and not self.away(h.id)
             ]
             memory = [h.max_memory_mb << 20 for h in hosts if h.max_memory_mb]
             upload = self.uplinks.typical(h.id for h in hosts)

@@ -259,7 +259,8 @@ class WorkRequests:
         assignments = [self._assignment(a.wu, a.result, now) for a in plan.assignments]
         # A host that computes (or may hold no more) is not idle: it asks again when its
         # queue runs low, whatever `delay` says.
-        if not assignments and not request.in_progress and plan.room > 0:
+        if not assignments and not request.in_progress and (plan.room > 0 or request.paused):
+            # (A host paused for its owner asks as an idle one does, and spreads its asks.)
             idle_hosts = self.idle.idle(host.id)
         else:
             self.idle.busy(host.id)

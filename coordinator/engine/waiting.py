@@ -129,14 +129,19 @@ def explain(
             if h.id not in holders or takes_replacement(h, wu, ledger.results_for(wu.id)):
                 if not (seconds := away(h)):
                     return None  # a connected host may take it: work flows
-                absent = absent or seconds
+                if not absent or seconds < 0 < absent:
+                    absent = seconds  # one paused is known alive: said before one quiet
                 if ordered:
                     break  # those that may take work now came first: none of them may
         if absent and not ordered:
             # A host away met: from now on those that may take work now are walked first,
-            # so that one away reached settles a work unit (10,000 hosts away are walked
-            # once, not once a work unit).
-            hosts = [h for h in hosts if not away(h)] + [h for h in hosts if away(h)]
+            # then the paused (known alive), then the quiet, so that one away reached
+            # settles a work unit (10,000 hosts away are walked once, not once a work unit).
+            hosts = (
+                [h for h in hosts if not away(h)]
+                + [h for h in hosts if away(h) < 0]
+                + [h for h in hosts if away(h) > 0]
+            )
             ordered = True
         if absent < 0:
             paused_by_owners += 1

@@ -129,6 +129,10 @@ def test_a_pause_and_its_end_are_said_once_each_with_the_share(tmp_path, caplog)
     assert volunteer._paused() > 0 and volunteer._paused() > 0
     assert volunteer.state == "paused"
     assert volunteer.note == "machine busy: other programs use 90% of a core (--idle-only)"
+    # The coordinator's answers to its pauses say why work waits (paused volunteers): its
+    # own status still says why it pauses.
+    volunteer._heard({"assignments": [], "note": "work waits for volunteers: ..."}, False)
+    assert volunteer.status()["note"] == volunteer.note
     owner.share = 0.1
     assert volunteer._paused() == 0.0 and volunteer._paused() == 0.0
     said = [r.getMessage() for r in caplog.records if r.name == "volunteer.daemon"]

@@ -613,17 +613,19 @@ async def test_reports_shrink_to_what_a_slow_uplink_moves_in_a_few_seconds(monke
 
 
 class NoWork:
-    """A coordinator with nothing to give, which notes each ask and when it came."""
+    """A coordinator with nothing to give, which notes each ask and when it came, and tells
+    each host to wait `delay` seconds."""
 
     url = "http://coordinator.invalid"
     token = "token"
 
-    def __init__(self) -> None:
+    def __init__(self, delay: float = 0.0) -> None:
         self.asks: list[tuple[float, dict[str, Any]]] = []
+        self.delay = delay
 
     async def request_work(self, request_id: str, **message: Any) -> dict[str, Any]:
         self.asks.append((time.monotonic(), message))
-        return {"assignments": [], "delay": 0.0}
+        return {"assignments": [], "delay": self.delay}
 
 
 class PausedByItsOwner(SlowTiles):
@@ -641,4 +643,17 @@ async def test_a_paused_volunteer_says_so_now_and_then_and_asks_for_nothing(monk
     for _, ask in coordinator.asks:
         assert ask["paused"] is True and ask["capacity"] == 0 and ask["wait"] is False
     times = [when for when, _ in coordinator.asks]
-    assert all(b - a >= 0.2 for a, b in itertools.pairwise(times))
+    assert all(b - a >= 0.19 for a, b in itertools.pairwise(times))  # (clocks a call apart)
+
+
+async def test_a_paused_volunteer_says_so_within_its_longest_interval_whatever_it_is_told(
+    monkeypatch,
+):
+    """Told a long delay (a cooling of minutes), it still speaks before the coordinator
+    would take it for gone (60 s of silence)."""
+    monkeypatch.setattr(loop_module, "PAUSED_HEARTBEAT", 0.1)
+    monkeypatch.setattr(loop_module, "PAUSED_HEARTBEAT_MAX", 0.3)
+    coordinator = NoWork(delay=100.0)
+    await run_until(coordinator, lambda: len(coordinator.asks) >= 3, PausedByItsOwner)
+    times = [when for when, _ in coordinator.asks]
+    assert len(times) >= 3 and all(0.29 <= b - a < 5 for a, b in itertools.pairwise(times))

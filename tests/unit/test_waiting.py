@@ -109,13 +109,34 @@ async def test_work_only_volunteers_paused_by_their_owners_could_take_waits_for_
         wait = explain(co.ledger, False, time.time(), **looks)
         assert wait is not None and wait.reason == "hosts_paused"
         assert "paused while their owners use their machines (--idle-only)" in wait.message
+        # Its words stop (killed while paused): it goes quiet like any other.
+        later = co.requests.due_back(co.ledger.hosts[host.id]) + QUIET_AFTER + 1
+        wait = explain(co.ledger, False, later, **looks)
+        assert wait is not None and wait.reason == "hosts_quiet"
         # Its owner gone, it asks again: work flows.
         request = WorkRequest("r2", 0, (), (), None, False)
         await co.requests.request_work(host, request, time.time())
-        assert (
-            explain(co.ledger, False, time.time(), quiet=co._quiet, owner_busy=co._owner_busy)
-            is None
-        )
+        assert explain(co.ledger, False, time.time(), **looks) is None
         product.cancel()
+    finally:
+        await co.stop()
+
+
+async def test_products_are_cut_and_shared_for_the_volunteers_not_paused(tmp_path):
+    """A paused volunteer in contact is no part of the crowd: the one still working takes
+    a product's tiles as if alone, not half of them a round trip."""
+    co = Coordinator(CoordinatorConfig(directory=tmp_path, tile=16), MemoryStore())
+    await co.start()
+    try:
+        now = time.time()
+        for name in ("worker", "paused"):
+            host, _ = await co.hosts.register(RegisterRequest(name, 10.0, 1, 512), now)
+            await co.requests.request_work(host, WorkRequest("r1", 0, (), (), None, False), now)
+        assert co.crowd.crowd(now + 2).hosts == 2
+        paused = WorkRequest("r2", 0, (), (), None, False, paused=True)
+        await co.requests.request_work(host, paused, now)
+        assert co.crowd.crowd(now + 4).hosts == 1
+        await co.requests.request_work(host, WorkRequest("r3", 0, (), (), None, False), now)
+        assert co.crowd.crowd(now + 6).hosts == 2
     finally:
         await co.stop()
