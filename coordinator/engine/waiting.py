@@ -157,8 +157,8 @@ def explain(
         else:
             held += 1
             quorum, policy = max(quorum, wu.min_quorum), wu.policy.value
-    away_count = max(held, silent, paused_by_owners)
-    if too_small >= away_count and too_small:
+    others = max(held, silent, paused_by_owners)  # the work units the later reasons count
+    if too_small >= others and too_small:
         largest = max(h.max_memory_mb for h in hosts)
         return Wait(
             "hosts_too_small",
@@ -167,7 +167,7 @@ def explain(
             "--max-memory, or lower the project's work.tile)",
             waiting,
         )
-    if slow >= away_count and slow:
+    if slow >= others and slow:
         return Wait(
             "hosts_too_slow",
             f"work waits for a faster uplink: a tile would take {fastest:.0f}s to send from "
