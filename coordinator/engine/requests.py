@@ -140,9 +140,11 @@ class WorkRequests:
 
     def reported(self, host_id: int) -> None:
         """The host reported results: a request of its own waiting for work, which its
-        share of a product held back, may take more now."""
+        share of a product held back, may take more now; and whatever paused it for its
+        owner is over (a paused word riding on the report says so again)."""
         self.cooling.reported(host_id)
         self.waiters.wake_host(host_id)
+        self.owner_busy.discard(host_id)
 
     def finish(self) -> None:
         """Training is done: from now on every work request is answered `finished`, and

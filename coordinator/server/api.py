@@ -380,9 +380,6 @@ async def report(request: web.Request) -> web.Response:
     pace: list[tuple[int, float]] = []
     body = await read_body(request, co.config.max_report_bytes, heard, lambda *p: pace.append(p))
     message = protocol.parse_report(body)
-    if message.work is None:
-        # Tiles computed: whatever paused it for its owner is over (its next ask says so too).
-        co.requests.owner_busy.discard(host.id)
     summary = await co.reports.report(host, message, time.time())
     if pace and summary["accepted"]:
         # Its uplink, as the body took to arrive (engine/uplinks.py): from reports it takes
