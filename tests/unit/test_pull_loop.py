@@ -657,3 +657,46 @@ async def test_a_paused_volunteer_says_so_within_its_longest_interval_whatever_i
     await run_until(coordinator, lambda: len(coordinator.asks) >= 3, PausedByItsOwner)
     times = [when for when, _ in coordinator.asks]
     assert len(times) >= 3 and all(0.29 <= b - a < 5 for a, b in itertools.pairwise(times))
+
+
+class ThreeTilesThenNothing(NothingAfterTwoTiles):
+    """NothingAfterTwoTiles with three tiles, noting each message in the order it came:
+    ("report", what it gives back) and ("ask", whether it says it is paused)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.tiles = [self._assignment(f"r{i}", *self.blobs) for i in range(3)]
+        self.said: list[tuple[str, Any]] = []
+
+    async def request_work(self, request_id: str, **message: Any) -> dict[str, Any]:
+        self.said.append(("ask", bool(message.get("paused"))))
+        return await super().request_work(request_id, **message)
+
+    async def report(self, batch: list[dict[str, Any]], work: dict | None) -> dict[str, Any]:
+        self.said.append(("report", sorted(r["result_id"] for r in batch if r.get("abandoned"))))
+        return await super().report(batch, work)
+
+
+class PausedAfterItsFirstTile(SlowTiles):
+    """Its owner comes back once it has computed a tile, and stays."""
+
+    def _paused(self) -> float:
+        return 0.01 if self.stats.tiles else 0.0
+
+
+async def test_a_paused_volunteer_gives_back_its_queue_and_then_says_it_is_paused():
+    """Held through the pause, its tiles would hold up their products until their
+    deadlines. It gives them back, and says it is paused right after, which keeps the
+    coordinator from barring it from that work once its owner is done."""
+    coordinator = ThreeTilesThenNothing()
+
+    def gave_back_and_said_paused() -> bool:
+        said = coordinator.said
+        back = [i for i, (kind, what) in enumerate(said) if kind == "report" and what]
+        return bool(back) and ("ask", True) in said[back[0] + 1 :]
+
+    loop = await run_until(coordinator, gave_back_and_said_paused, PausedAfterItsFirstTile)
+    assert gave_back_and_said_paused(), coordinator.said
+    back = next(what for kind, what in coordinator.said if kind == "report" and what)
+    assert back == ["r1", "r2"] and loop.stats.tiles == 1 and loop.stats.abandoned == 2
+    assert not loop.queue
