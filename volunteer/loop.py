@@ -92,7 +92,7 @@ class Stats:
     reported: int = 0  # tiles the coordinator accepted
     late: int = 0
     duplicate: int = 0
-    abandoned: int = 0  # results given back uncomputed (a session ended, or paused)
+    abandoned: int = 0  # results given back when a session ended
     vanished: int = 0  # results dropped unreported when a session ended
 
     def gflops(self) -> float:
@@ -224,15 +224,6 @@ class PullLoop(CoordinatorSession):
         if pause:
             if self.asking is not None:
                 await self._answer()
-            if self.queue:
-                # Held through the pause, they would hold up their products until their
-                # deadlines; given back, other hosts take them now, and this one once its
-                # owner is done: the paused word after the report tells the coordinator not
-                # to bar it from them, as it bars a host that gives work back and asks
-                # again. (Their downloads under way go on into the cache.)
-                self.log.info("paused: gave back %d queued tile(s)", len(self.queue))
-                self._give_back()
-                self.paused_said_until = 0.0
             await self._flush()  # finished tiles are not held back by a pause
             await self._say_paused()
             await wait(stop, pause)
@@ -732,7 +723,11 @@ class PullLoop(CoordinatorSession):
             self.computing = None
         self.cancel()
         if graceful:
-            self._give_back()
+            self.stats.abandoned += len(self.queue)
+            self.pending += [
+                {"result_id": job.assignment["result_id"], "abandoned": True} for job in self.queue
+            ]
+            self.queue.clear()
             try:
                 async with asyncio.timeout(max(1.0, timeout)):
                     while self.pending:
@@ -763,27 +758,14 @@ class PullLoop(CoordinatorSession):
     def cancel(self) -> None:
         """Stop the downloads of queued work and the work request in flight (a loop
         dropped without leaving)."""
-        self._stop_downloads()
-        if self.asking is not None:
-            self.asking.cancel()
-
-    def _stop_downloads(self) -> None:
         for job in self.queue:
             if job.operands is not None:
                 job.operands.cancel()
                 if job.operands.done() and not job.operands.cancelled():
                     job.operands.exception()  # retrieved: a download a stop cut off
             self._unpin(job)
-
-    def _give_back(self) -> None:
-        """Hand the queued tiles back uncomputed (`abandoned`, with the next report): the
-        coordinator reissues them at once rather than at their deadlines."""
-        self._stop_downloads()
-        self.stats.abandoned += len(self.queue)
-        self.pending += [
-            {"result_id": job.assignment["result_id"], "abandoned": True} for job in self.queue
-        ]
-        self.queue.clear()
+        if self.asking is not None:
+            self.asking.cancel()
 
     async def _settle_ask(self, graceful: bool, timeout: float) -> None:
         """The work request in flight at the end of a session: leaving gracefully, its

@@ -197,10 +197,6 @@ class WorkRequests:
         # Re-read: the record may have changed while this request awaited the store.
         host = self.ledger.hosts[host.id].evolve(last_contact=now, gone=request.leaving)
         if request.paused:
-            if host.id not in self.owner_busy:
-                # Paused, it gave back what it held: it may take that work again once its
-                # owner is done, as a lone volunteer must.
-                self._forgive_give_backs(host.id)
             self.owner_busy.add(host.id)
         else:
             self.owner_busy.discard(host.id)
@@ -372,12 +368,11 @@ class WorkRequests:
         return max(host.last_contact, self.started) + IDLE_DELAY_CAP
 
     def _forgive_give_backs(self, host_id: int) -> None:
-        """A host that stops, or pauses for its owner, gives back what it held: when it
-        returns (a restart, its owner done) it may take that work again, as after a
-        timeout. Any other give-back bars its host from the replacement
-        (rules/scheduler.py, takes_replacement); across a stop or a pause it left a project
-        with one volunteer, or a quorum whose other replica another host holds, waiting for
-        that work for ever (found by a review)."""
+        """A host that stops gives back what it held: when it returns (a restart) it may
+        take that work again, as after a timeout. A give-back within a session bars its host
+        from the replacement (rules/scheduler.py, takes_replacement); across a stop it left
+        a project with one volunteer, or a quorum whose other replica another host holds,
+        waiting for that work for ever (found by a review)."""
         for result in [r for r in self.ledger.results.values() if r.host_id == host_id]:
             wu = self.ledger.wus.get(result.wu_id)
             if given_back(result) and wu is not None and wu.state is WuState.ACTIVE:

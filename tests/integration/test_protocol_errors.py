@@ -359,23 +359,3 @@ async def test_a_volunteer_that_stops_and_starts_again_takes_back_the_work_it_ga
         # the same volunteer, started again
         again = (await alone.request_work("s3", capacity=64, wait=False))["assignments"]
         assert {h["wu_id"] for h in again} >= {h["wu_id"] for h in held}
-
-
-async def test_a_volunteer_paused_for_its_owner_takes_back_the_work_it_gave_back(server):
-    """An `--idle-only` volunteer whose owner stays at the machine gives back what it holds
-    and says it is paused: once its owner is done it must be able to take that work again,
-    or a project with one volunteer would wait for it for ever. A host that gives work back
-    and simply asks again stays barred from it (it would take it and give it back until
-    the work unit's budget ran out)."""
-    _, url, _ = server
-    async with CoordinatorClient(url) as alone:
-        await alone.register("alone")
-        held = (await alone.request_work("p1", capacity=64))["assignments"]
-        assert held
-        given_back = {h["wu_id"] for h in held}
-        await alone.report([{"result_id": h["result_id"], "abandoned": True} for h in held])
-        asked_again = await alone.request_work("p2", capacity=64, wait=False)
-        assert not {h["wu_id"] for h in asked_again["assignments"]} & given_back
-        await alone.request_work("p3", capacity=0, wait=False, paused=True)
-        again = (await alone.request_work("p4", capacity=64, wait=False))["assignments"]
-        assert {h["wu_id"] for h in again} >= given_back
