@@ -228,14 +228,16 @@ class PullLoop(CoordinatorSession):
             await self._say_paused()
             await wait(stop, pause)
             return
-        self.paused_said_until = 0.0
+        resumed, self.paused_said_until = self.paused_said_until > 0, 0.0
         reply = None
         if self.asking is not None and (not self.queue or self.asking.done()):
             reply = await self._answer()
         room = self._capacity()
         # With nothing queued it always asks, for no work if it has no room: a heartbeat
-        # that lists what it holds (and is where aborts come back), never a spin.
-        if reply is None and not self.queue:
+        # that lists what it holds (and is where aborts come back), never a spin. Back from
+        # a pause it asks first too: other hosts may have computed its queued tiles meanwhile
+        # (the coordinator spares a paused host's work), and the answer drops those.
+        if reply is None and (not self.queue or (resumed and self.asking is None)):
             reply = await self._ask(room)
         elif (
             reply is None and self.asking is None and time_to_ask(len(self.queue), room, self.short)

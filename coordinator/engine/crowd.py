@@ -35,7 +35,7 @@ class CrowdWatch:
         self.uplinks = uplinks or Uplinks()
         # Per size (the bit length of its bytes): [mean bytes, mean seconds, count, last seen].
         self._sizes: dict[int, list[float]] = {}
-        self._hosts: tuple[float, Crowd] | None = None
+        self._hosts: tuple[float, Crowd, int] | None = None  # (when, the crowd, its hosts)
         self._fitted: tuple[float, int, Crowd] | None = None  # (when, sizes seen, the crowd)
         # Hosts in contact that take no work now (paused while their owners use their
         # machines): products are not cut, nor shares counted, for them.
@@ -99,6 +99,13 @@ class CrowdWatch:
         by every work request (rules/scheduler.py, a host's share of a product)."""
         return self._look(now).hosts
 
+    def working(self, now: float) -> int:
+        """How many hosts the crowd has, 0 if none: in recent contact and not away (`hosts`
+        counts at least 1, since products are cut for one host when none is known)."""
+        self._look(now)
+        assert self._hosts is not None
+        return self._hosts[2]
+
     def _look(self, now: float) -> Crowd:
         """The hosts in recent contact, looked at again at most every REMEMBER seconds (the
         fields of the cost line, overhead and seconds_per_byte, are not filled in)."""
@@ -117,5 +124,5 @@ class CrowdWatch:
                 memory_bytes=min(memory, default=0),
                 upload_per_byte=upload,
             )
-            self._hosts = (now, looked)
+            self._hosts = (now, looked, len(hosts))
         return self._hosts[1]

@@ -89,9 +89,17 @@ class Passes:
         # Holders of spared tiles whose own uplink might explain the wait: result id ->
         # (host id, when it is judged). Still out then, the host sat on it after all.
         self._judging: dict[str, tuple[int, float]] = {}
+        # Hosts that began a pause for their owners since the last pass (`paused`, through
+        # WorkRequests.on_paused): what they hold gets a spare in the next pass.
+        self._paused: set[int] = set()
 
     def wake(self) -> None:
         self._wake.set()
+
+    def paused(self, host_id: int) -> None:
+        """A host's owner needs its machine: spare what it holds, in a pass run now."""
+        self._paused.add(host_id)
+        self.wake()
 
     def arrived(self, wu_id: str) -> None:
         """A report brought a success for this work unit: validate it in the next pass."""
@@ -150,6 +158,8 @@ class Passes:
         finally:
             self.products.tiles.clear()
         self._accelerate_tails(now)
+        if self._paused:
+            self._spare_paused(now)
         if now - self._stragglers_seen >= STRAGGLER_LOOK:
             self._stragglers_seen = now
             self._spare_stragglers(now)
@@ -324,6 +334,31 @@ class Passes:
             # The tile that passes is assimilated in this pass: no second read from disk.
             self.products.tiles[result.output_hash] = tile
         return checks
+
+    def _spare_paused(self, now: float) -> None:
+        """A spare replica for each work unit a paused host holds (an `--idle-only`
+        volunteer whose owner uses the machine): held through the pause, it would hold up
+        its product until its deadline. Once a work unit (`accelerated`), as a straggler's,
+        and only while another host works to take it; its host keeps its replica, which it
+        computes if its owner is done first, and is not judged to have sat on it."""
+        paused, self._paused = self._paused, set()
+        watch = self.products.crowd
+        if watch is None or not watch.working(now):
+            return  # no other host: the paused one computes its tiles when it can
+        for host_id in sorted(paused):
+            for result_id in list(self.ledger.in_progress_of.get(host_id, ())):
+                result = self.ledger.results.get(result_id)
+                wu = self.ledger.wus.get(result.wu_id) if result is not None else None
+                if wu is None or wu.state is not WuState.ACTIVE or wu.accelerated:
+                    continue
+                spare = wu.evolve(target_nresults=wu.target_nresults + 1, accelerated=True)
+                self.ledger.put_wu(spare)
+                self.ledger.touched.add(wu.id)
+                message = (
+                    f"host {host_id} holding it is paused while its owner uses the machine "
+                    "(--idle-only); spare replica for another host"
+                )
+                self.ledger.log([Event.about(wu, now, "accelerated", message)])
 
     def _spare_stragglers(self, now: float) -> None:
         """A spare replica for each work unit whose replicas have all been out far longer

@@ -131,6 +131,8 @@ class WorkRequests:
         self.started = time.time()
         # Hosts whose last request said their owner is using the machine (`paused`).
         self.owner_busy: set[int] = set()
+        # A host's request begins a pause (engine/passes.py: spares for what it holds).
+        self.on_paused: Callable[[int], None] = lambda host_id: None
         self._inflight: dict[tuple[int, str], asyncio.Future] = {}
         self.cooling = Cooling()  # hosts that sat on a tile wait before they get more
 
@@ -197,6 +199,8 @@ class WorkRequests:
         # Re-read: the record may have changed while this request awaited the store.
         host = self.ledger.hosts[host.id].evolve(last_contact=now, gone=request.leaving)
         if request.paused:
+            if host.id not in self.owner_busy:
+                self.on_paused(host.id)
             self.owner_busy.add(host.id)
         else:
             self.owner_busy.discard(host.id)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import time
 
 import numpy as np
 import pytest
@@ -10,6 +11,7 @@ import pytest
 import kernels
 from coordinator.engine import coordinator as coordinator_module
 from coordinator.engine.passes import COMMIT_WINDOW
+from coordinator.rules.scheduler import SchedulerConfig
 from coordinator.work.records import Outcome, Policy, Redundancy, ServerState
 from kernels import nn
 from tests.factories import TIMEOUT, bits, operands, running, volunteers
@@ -123,6 +125,37 @@ async def test_tail_acceleration_finishes_a_gemm_held_up_by_a_slow_host(tmp_path
         assert len(accelerated) == 1
         aborted = await co.store.events(kind="result", state="aborted")
         assert [e.result_id for e in aborted] == [held]
+
+
+async def test_the_tiles_of_a_volunteer_paused_for_its_owner_go_to_another_at_once(tmp_path, rng):
+    """An `--idle-only` volunteer whose owner uses the machine holds tiles it will not
+    compute until its owner is done: other volunteers compute them now, not at their
+    deadlines (ten minutes here, with no tail or straggler spares to help), and it is told
+    to drop its copies when it asks again, its standing intact: it did not sit on them."""
+    settings = {"tail_fraction": 2.0, "straggler_floor": 600.0}
+    settings["scheduler"] = SchedulerConfig(deadline_floor=600.0)
+    redundancy = Redundancy(delay_bound=1200.0)
+    async with running(
+        tmp_path, policy=Policy.FREIVALDS, tile=16, redundancy=redundancy, **settings
+    ) as (co, queue, url):
+        a, b = operands(rng, 48, 64, 16, False, False)  # 12 tiles
+        product = asyncio.ensure_future(queue.matmul(a, b))
+        await wait_until(lambda: co.ledger.unsent)
+        async with CoordinatorClient(url) as paused:
+            host_id = await paused.register("idle-only")
+            assigned = (await paused.request_work("w1", capacity=2))["assignments"]
+            held = sorted(x["result_id"] for x in assigned)
+            assert len(held) == 2
+            await paused.request_work("w2", capacity=0, wait=False, paused=True, in_progress=held)
+            async with volunteers(url, [Behaviour()] * 2) as crew:
+                got = await crew.finish(product)
+            reply = await paused.request_work("w3", capacity=0, wait=False, in_progress=held)
+            assert sorted(reply["abort"]) == held
+        assert np.array_equal(bits(got), bits(kernels.gemm(a, b)))
+        spared = await co.store.events(kind="wu", state="accelerated")
+        assert len(spared) == 2 and all("paused" in e.message for e in spared)
+        host = co.ledger.hosts[host_id]
+        assert host.error_count == 0 and co.requests.cooling.left(host.id, time.time()) == 0
 
 
 async def test_a_waiting_work_request_gets_work_as_soon_as_it_is_published(tmp_path, rng):

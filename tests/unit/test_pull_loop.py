@@ -657,3 +657,47 @@ async def test_a_paused_volunteer_says_so_within_its_longest_interval_whatever_i
     await run_until(coordinator, lambda: len(coordinator.asks) >= 3, PausedByItsOwner)
     times = [when for when, _ in coordinator.asks]
     assert len(times) >= 3 and all(0.29 <= b - a < 5 for a, b in itertools.pairwise(times))
+
+
+class SparedWhilePaused(NothingAfterTwoTiles):
+    """Three tiles; once their host has said it is paused, an ask listing the two it still
+    holds is told to drop them (other hosts computed them meanwhile)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.tiles = [self._assignment(f"r{i}", *self.blobs) for i in range(3)]
+
+    async def request_work(self, request_id: str, **message: Any) -> dict[str, Any]:
+        said_paused = any(ask.get("paused") for ask in self.asks)
+        reply = await super().request_work(request_id, **message)
+        if said_paused and not message.get("paused"):
+            reply["abort"] = [r for r in message["in_progress"] if r in ("r1", "r2")]
+        return reply
+
+    def settled(self) -> bool:
+        """The two tiles are reported, or an ask after the pause no longer holds them."""
+        after = itertools.dropwhile(lambda ask: not ask.get("paused"), self.asks)
+        dropped = any(not {"r1", "r2"} & set(ask["in_progress"]) for ask in after)
+        return dropped or {"r1", "r2"} <= set(self.reported)
+
+
+class PausedAfterItsFirstTile(SlowTiles):
+    """Its owner comes back once it has computed a tile, for three looks."""
+
+    looks = 0
+
+    def _paused(self) -> float:
+        if self.stats.tiles and self.looks < 3:
+            self.looks += 1
+            return 0.01
+        return 0.0
+
+
+async def test_back_from_a_pause_a_volunteer_asks_before_it_computes_what_it_held():
+    """The coordinator gives a paused volunteer's tiles to other hosts: back, the volunteer
+    asks first, and drops those the answer says are done rather than computing them."""
+    coordinator = SparedWhilePaused()
+    loop = await run_until(coordinator, coordinator.settled, PausedAfterItsFirstTile)
+    assert any(ask.get("paused") for ask in coordinator.asks)
+    assert loop.stats.aborted == 2 and loop.stats.tiles == 1
+    assert set(coordinator.reported) == {"r0"}
