@@ -2,7 +2,9 @@
 
 Run:  .venv/bin/python benchmarks/run.py [--quick] [--write] [--only AREA ...]
 
-Areas, in order: kernels and validation (benchmarks/kernels.py), coordinator (a coordinator
+Before the first area and after the last, two short probes of the machine's speed
+(benchmarks/steadiness.py): the table's first rows say whether it held still. Areas, in
+order: kernels and validation (benchmarks/kernels.py), coordinator (a coordinator
 process pinned to one core, `tilehive emulate`'s engine on the other, at 100, 1,000 and
 10,000 hosts), training, network (emulated laptops 30 ms away), communication, tails, a
 host that hoards tiles, a volunteer on a slow uplink, and the Dask peer
@@ -31,6 +33,7 @@ _HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path[:] = [p for p in sys.path if os.path.abspath(p or ".") != _HERE]
 sys.path.insert(0, os.path.dirname(_HERE))
 
+from benchmarks import steadiness  # noqa: E402
 from benchmarks.report import Row, verdict, write_into  # noqa: E402
 
 ROOT = Path(_HERE).parent
@@ -314,6 +317,7 @@ def main() -> None:
         parser.error("--write records the whole table: run every area (drop --only)")
     rows: list[Row] = []
     started = time.strftime("%Y-%m-%d")
+    at_start = steadiness.measure()
     for area, measure in AREAS.items():
         if args.only and area not in args.only:
             continue
@@ -324,6 +328,7 @@ def main() -> None:
         except Exception as exc:  # one area failing is a row; the rest are still measured
             rows.append(Row(area, "not measured", "-", note=f"{type(exc).__name__}: {exc}"[:200]))
         print(f"   {time.perf_counter() - began:.0f} s", file=sys.stderr, flush=True)
+    rows[:0] = steadiness.rows(at_start, steadiness.measure())  # first: how to read the rest
     from benchmarks.report import table
 
     print(table(rows))
