@@ -117,6 +117,7 @@ class Coordinator:
         self.requests.crowd = self.crowd.hosts
         self.crowd.away = self.requests.owner_busy.__contains__
         self.requests.on_paused = self.passes.paused
+        self.requests.on_resumed = self.passes.resumed
         self.requests.upload_per_byte = self.uplinks.per_byte
         self.requests.uplinks_too_slow = lambda: self.waiting.reason == "hosts_too_slow"
         self.reports.reported = self.requests.reported

@@ -35,7 +35,7 @@ class CrowdWatch:
         self.uplinks = uplinks or Uplinks()
         # Per size (the bit length of its bytes): [mean bytes, mean seconds, count, last seen].
         self._sizes: dict[int, list[float]] = {}
-        self._hosts: tuple[float, Crowd, int] | None = None  # (when, the crowd, its hosts)
+        self._hosts: tuple[float, Crowd] | None = None
         self._fitted: tuple[float, int, Crowd] | None = None  # (when, sizes seen, the crowd)
         # Hosts in contact that take no work now (paused while their owners use their
         # machines): products are not cut, nor shares counted, for them.
@@ -99,12 +99,15 @@ class CrowdWatch:
         by every work request (rules/scheduler.py, a host's share of a product)."""
         return self._look(now).hosts
 
-    def working(self, now: float) -> int:
-        """How many hosts the crowd has, 0 if none: in recent contact and not away (`hosts`
-        counts at least 1, since products are cut for one host when none is known)."""
-        self._look(now)
-        assert self._hosts is not None
-        return self._hosts[2]
+    def others_working(self, now: float, host_id: int) -> bool:
+        """Whether a host other than `host_id` is at work: in recent contact and not away.
+        Looked at afresh (the crowd's look may be a second old, from before a pause), and
+        most often settled by the first host looked at."""
+        return any(
+            h.id != host_id and h.in_service and now - h.last_contact <= RECENT
+            for h in self.ledger.hosts.values()
+            if not self.away(h.id)
+        )
 
     def _look(self, now: float) -> Crowd:
         """The hosts in recent contact, looked at again at most every REMEMBER seconds (the
@@ -124,5 +127,5 @@ class CrowdWatch:
                 memory_bytes=min(memory, default=0),
                 upload_per_byte=upload,
             )
-            self._hosts = (now, looked, len(hosts))
+            self._hosts = (now, looked)
         return self._hosts[1]

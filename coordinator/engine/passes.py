@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
 import time
 from collections.abc import Callable
 
@@ -86,11 +87,13 @@ class Passes:
         # A host sat on a tile that needed a straggler's spare (the Coordinator: no new work
         # for it a while, rules/cooling.py).
         self.sat_on: Callable[[int, float], None] = lambda host_id, now: None
-        # Holders of spared tiles whose own uplink might explain the wait: result id ->
-        # (host id, when it is judged). Still out then, the host sat on it after all.
-        self._judging: dict[str, tuple[int, float]] = {}
-        # Hosts that began a pause for their owners since the last pass (`paused`, through
-        # WorkRequests.on_paused): what they hold gets a spare in the next pass.
+        # Holders of spared tiles whose own uplink, or whose owner, might explain the wait:
+        # result id -> (host id, when it is judged, the seconds it has once its pause ends).
+        # Still out then, the host sat on it after all. A paused host's is judged `math.inf`
+        # until its first request after the pause (`resumed`).
+        self._judging: dict[str, tuple[int, float, float]] = {}
+        # Hosts paused for their owners (`paused`, through WorkRequests.on_paused) that may
+        # hold work not yet spared: each pass spares it, once another host is at work.
         self._paused: set[int] = set()
 
     def wake(self) -> None:
@@ -100,6 +103,15 @@ class Passes:
         """A host's owner needs its machine: spare what it holds, in a pass run now."""
         self._paused.add(host_id)
         self.wake()
+
+    def resumed(self, host_id: int, now: float) -> None:
+        """A paused host asks or reports again: the tiles spared for its pause are judged
+        from now, as a straggler's are from their spare. A later pause does not put that
+        off: a host that said `paused` between taking tiles would never be judged."""
+        self._paused.discard(host_id)
+        for result_id, (holder, judged_at, allowed) in list(self._judging.items()):
+            if holder == host_id and judged_at == math.inf:
+                self._judging[result_id] = (holder, now + allowed, allowed)
 
     def arrived(self, wu_id: str) -> None:
         """A report brought a success for this work unit: validate it in the next pass."""
@@ -339,18 +351,25 @@ class Passes:
         """A spare replica for each work unit a paused host holds (an `--idle-only`
         volunteer whose owner uses the machine): held through the pause, it would hold up
         its product until its deadline. Once a work unit (`accelerated`), as a straggler's,
-        and only while another host works to take it; its host keeps its replica, which it
-        computes if its owner is done first, and is not judged to have sat on it."""
-        paused, self._paused = self._paused, set()
+        and once another host is at work (till then the host stays queued). Its host keeps
+        its replica, which it computes if its owner is done first; it is judged only from
+        the end of its pause (`resumed`), not for the pause."""
         watch = self.products.crowd
-        if watch is None or not watch.working(now):
-            return  # no other host: the paused one computes its tiles when it can
-        for host_id in sorted(paused):
+        if watch is None:
+            return
+        for host_id in sorted(self._paused):
+            if not watch.others_working(now, host_id):
+                continue  # no one to take a spare: the paused host computes its tiles later
+            self._paused.discard(host_id)
+            uploads = queued_upload_bytes(self.ledger, host_id) * watch.uplinks.per_byte(host_id)
             for result_id in list(self.ledger.in_progress_of.get(host_id, ())):
                 result = self.ledger.results.get(result_id)
                 wu = self.ledger.wus.get(result.wu_id) if result is not None else None
                 if wu is None or wu.state is not WuState.ACTIVE or wu.accelerated:
                     continue
+                results = self.ledger.results_for(wu.id)
+                if any(r.server_state is ServerState.UNSENT for r in results):
+                    continue  # a replica already waits for another host
                 spare = wu.evolve(target_nresults=wu.target_nresults + 1, accelerated=True)
                 self.ledger.put_wu(spare)
                 self.ledger.touched.add(wu.id)
@@ -359,6 +378,10 @@ class Passes:
                     "(--idle-only); spare replica for another host"
                 )
                 self.ledger.log([Event.about(wu, now, "accelerated", message)])
+                expected = sizing.tile_seconds(*wu.shape, watch.crowd(now))
+                lag = max(self.config.straggler_floor, self.config.straggler_factor * expected)
+                allowed = lag + self.config.straggler_factor * uploads
+                self._judging[result_id] = (host_id, math.inf, allowed)
 
     def _spare_stragglers(self, now: float) -> None:
         """A spare replica for each work unit whose replicas have all been out far longer
@@ -422,12 +445,12 @@ class Passes:
         if judged_at <= now:
             sitting.add(host_id)
         else:
-            self._judging[result.id] = (host_id, judged_at)
+            self._judging[result.id] = (host_id, judged_at, 0.0)
 
     def _judged(self, now: float) -> list[int]:
         """Hosts whose time to send a spared tile has run out with the tile still out."""
         hosts = []
-        for result_id, (host_id, judged_at) in list(self._judging.items()):
+        for result_id, (host_id, judged_at, _) in list(self._judging.items()):
             result = self.ledger.results.get(result_id)
             if result is None or result.server_state is not ServerState.IN_PROGRESS:
                 del self._judging[result_id]  # reported, given back or timed out: done

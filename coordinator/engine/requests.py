@@ -131,8 +131,10 @@ class WorkRequests:
         self.started = time.time()
         # Hosts whose last request said their owner is using the machine (`paused`).
         self.owner_busy: set[int] = set()
-        # A host's request begins a pause (engine/passes.py: spares for what it holds).
+        # A host's request begins a pause, and ends it (engine/passes.py: spares for what it
+        # holds, judged only from the pause's end).
         self.on_paused: Callable[[int], None] = lambda host_id: None
+        self.on_resumed: Callable[[int, float], None] = lambda host_id, now: None
         self._inflight: dict[tuple[int, str], asyncio.Future] = {}
         self.cooling = Cooling()  # hosts that sat on a tile wait before they get more
 
@@ -146,7 +148,12 @@ class WorkRequests:
         owner is over (a paused word riding on the report says so again)."""
         self.cooling.reported(host_id)
         self.waiters.wake_host(host_id)
-        self.owner_busy.discard(host_id)
+        self._resume(host_id, time.time())
+
+    def _resume(self, host_id: int, now: float) -> None:
+        if host_id in self.owner_busy:
+            self.owner_busy.discard(host_id)
+            self.on_resumed(host_id, now)
 
     def finish(self) -> None:
         """Training is done: from now on every work request is answered `finished`, and
@@ -203,7 +210,7 @@ class WorkRequests:
                 self.on_paused(host.id)
             self.owner_busy.add(host.id)
         else:
-            self.owner_busy.discard(host.id)
+            self._resume(host.id, now)
         if request.gflops:
             host = host.evolve(gflops=request.gflops)
         self.ledger.put_host(host)

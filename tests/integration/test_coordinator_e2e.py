@@ -158,6 +158,63 @@ async def test_the_tiles_of_a_volunteer_paused_for_its_owner_go_to_another_at_on
         assert host.error_count == 0 and co.requests.cooling.left(host.id, time.time()) == 0
 
 
+async def test_a_pause_begun_alone_has_its_tiles_spared_once_another_volunteer_comes(tmp_path, rng):
+    """With no other host at work a spare would go to no one, and none is made; the pause
+    is not forgotten for that: the tiles are spared once another volunteer comes."""
+    async with running(tmp_path, policy=Policy.FREIVALDS, tile=16, tail_fraction=2.0) as (
+        co,
+        queue,
+        url,
+    ):
+        a, b = operands(rng, 48, 64, 16, False, False)  # 12 tiles
+        product = asyncio.ensure_future(queue.matmul(a, b))
+        await wait_until(lambda: co.ledger.unsent)
+        async with CoordinatorClient(url) as paused, CoordinatorClient(url) as later:
+            await paused.register("idle-only")
+            assigned = (await paused.request_work("p1", capacity=2))["assignments"]
+            held = [x["result_id"] for x in assigned]
+            await paused.request_work("p2", capacity=0, wait=False, paused=True, in_progress=held)
+            wus = [co.ledger.results[r].wu_id for r in held]
+            await co.passes.step(time.time())
+            assert not any(co.ledger.wus[wu].accelerated for wu in wus)
+            await later.register("later")
+            await later.request_work("l1", capacity=0, wait=False)
+            await wait_until(lambda: all(co.ledger.wus[wu].accelerated for wu in wus))
+        product.cancel()
+
+
+async def test_a_host_saying_paused_between_taking_tiles_is_judged_once_it_asks_again(
+    tmp_path, rng
+):
+    """A pause spares a host's tiles and does not count against it; once it asks again it
+    has a straggler's time to report them, like any host, or it sat on them: no trust, and
+    no new work for a while. (A review: a hoarder saying `paused` between its asks took
+    five times the tiles of one that did not, and was never cooled.)"""
+    settings = {"tail_fraction": 2.0, "straggler_floor": 0.3}
+    async with running(tmp_path, policy=Policy.FREIVALDS, tile=16, **settings) as (co, queue, url):
+        a, b = operands(rng, 48, 64, 16, False, False)  # 12 tiles
+        product = asyncio.ensure_future(queue.matmul(a, b))
+        await wait_until(lambda: co.ledger.unsent)
+        async with CoordinatorClient(url) as hoarder, CoordinatorClient(url) as other:
+            host_id = await hoarder.register("hoarder")
+            await other.register("other")
+            await other.request_work("o1", capacity=0, wait=False)  # at work: spares can go
+            assigned = (await hoarder.request_work("h1", capacity=2))["assignments"]
+            held = [x["result_id"] for x in assigned]
+            await hoarder.request_work("h2", capacity=0, wait=False, paused=True, in_progress=held)
+            wus = [co.ledger.results[r].wu_id for r in held]
+            await wait_until(lambda: all(co.ledger.wus[wu].accelerated for wu in wus))
+            # The passes run as if seconds had gone by, long past a straggler's time; each a
+            # straggler's look (engine/passes.py, STRAGGLER_LOOK) after the one before.
+            await co.passes.step(time.time() + 3.0)
+            assert co.requests.cooling.left(host_id, time.time()) == 0  # paused: not judged
+            await hoarder.request_work("h3", capacity=0, wait=False, in_progress=held)
+            await co.passes.step(time.time() + 4.0)
+            assert co.requests.cooling.left(host_id, time.time()) > 0
+            assert co.ledger.hosts[host_id].error_count == 1
+        product.cancel()
+
+
 async def test_a_waiting_work_request_gets_work_as_soon_as_it_is_published(tmp_path, rng):
     async with (
         running(tmp_path, tile=16, long_poll=30.0) as (co, queue, url),
