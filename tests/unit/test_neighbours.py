@@ -86,3 +86,16 @@ def test_the_operators_thread_setting_is_never_capped(four_cpus, monkeypatch):
     monkeypatch.setenv(nn.THREADS_ENV, "3")
     Neighbours(cpus=4).saw(host(1, threads=4), True, now=0.0)
     assert nn.default_threads() == 3
+
+
+def test_only_the_neighbours_silent_for_the_ttl_are_forgotten(four_cpus):
+    """Each request moves its host to the back of the line: the one heard from again stays
+    when one heard from before it, and silent since, is forgotten."""
+    neighbours = Neighbours(cpus=4)
+    neighbours.saw(host(1, threads=1), True, now=0.0)
+    neighbours.saw(host(2, threads=1), True, now=1.0)
+    neighbours.saw(host(1, threads=1), True, now=2.0)
+    neighbours.update(now=1.0 + NEIGHBOUR_TTL + 0.5)
+    assert neighbours.threads == 1 and neighbours.cap == 3
+    neighbours.update(now=2.0 + NEIGHBOUR_TTL + 0.5)
+    assert neighbours.threads == 0 and neighbours.cap is None
