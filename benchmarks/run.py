@@ -253,6 +253,9 @@ def coordinator_rows(quick: bool) -> list[Row]:
                     f"{client.get('p99_ms', float('nan')):.0f} ms{dropped}",
                 )
             )
+            notes = [", ".join(f"{k} x{v}" for k, v in sorted(report.errors.items()))[:120]]
+            if report.cut_off:  # every host stopping at once: not errors (docs/emulator.md)
+                notes.append(f"calls cut off by the emulation's end: {report.cut_off:,}")
             rows.append(
                 Row(
                     "coordinator",
@@ -260,7 +263,7 @@ def coordinator_rows(quick: bool) -> list[Row]:
                     f"{report.error_count:,}; {result.get('wu_per_s', 0):.1f} WU/s",
                     "no error at 10,000 hosts" if hosts == 10000 else "",
                     verdict(report.error_count == 0) if hosts == 10000 else "",
-                    ", ".join(f"{k} x{v}" for k, v in sorted(report.errors.items()))[:120],
+                    "; ".join(filter(None, notes)),
                 )
             )
     return rows
@@ -328,7 +331,10 @@ def main() -> None:
         except Exception as exc:  # one area failing is a row; the rest are still measured
             rows.append(Row(area, "not measured", "-", note=f"{type(exc).__name__}: {exc}"[:200]))
         print(f"   {time.perf_counter() - began:.0f} s", file=sys.stderr, flush=True)
-    rows[:0] = steadiness.rows(at_start, steadiness.measure())  # first: how to read the rest
+    try:
+        rows[:0] = steadiness.rows(at_start, steadiness.measure())  # first: how to read the rest
+    except Exception as exc:  # the probe failing loses the probe's rows, not the table
+        rows.insert(0, Row("machine", "not measured", "-", note=f"{type(exc).__name__}: {exc}"))
     from benchmarks.report import table
 
     print(table(rows))

@@ -285,7 +285,8 @@ class EmulatedHost(PullLoop):
             logger=_host_log,
         )
         self.lied = False
-        self.ending = False  # leaving at the emulation's end, with the whole crowd
+        # Leaving at the emulation's end, with the whole crowd: by when (monotonic).
+        self.ending_by = math.inf
         self.last_seconds = 0.0  # the latency of the last request
         # A modelled uplink: request bodies go at its pace, so the coordinator times it as
         # it would a real one's (engine/uplinks.py). A link of a terabit is not modelled.
@@ -342,10 +343,11 @@ class EmulatedHost(PullLoop):
         self.em.totals.latencies.add(held if wait else "work", self.last_seconds)
 
     def _failed(self, endpoint: str, exc: BaseException) -> None:
-        if self.ending and isinstance(exc, TimeoutError):
+        if isinstance(exc, TimeoutError) and time.monotonic() >= self.ending_by:
             # Every host stopping at once, out of `stop_timeout`: the crowd's doing, not the
             # coordinator's failing. Counted as errors, they made 10,000 hosts read thousands
-            # of them whenever the machine ran slow, all in the last seconds of the run.
+            # of them whenever the machine ran slow, all in the last seconds of the run. (A
+            # call's own timeout before then, a connect's, is still an error.)
             self.em.totals.counts["cut_off"] += 1
             return
         super()._failed(endpoint, exc)
@@ -413,8 +415,8 @@ class EmulatedHost(PullLoop):
         hand back every tile it was just given."""
         deadline = time.monotonic() + timeout
         self.leaving = True
-        self.ending = graceful and drain
         if graceful and drain:
+            self.ending_by = deadline
             try:
                 async with asyncio.timeout(timeout):
                     while self.queue:
@@ -422,7 +424,7 @@ class EmulatedHost(PullLoop):
                     while self.pending:
                         await self._flush()
             except (ServerRefused, Stopping, *NETWORK) as exc:
-                self._failed("report", exc)  # out of time: cut off (_failed), not an error
+                self._failed("report", exc)  # out of time, a cut-off, not an error (_failed)
         await super().leave(graceful, deadline - time.monotonic())
 
 
