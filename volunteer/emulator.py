@@ -424,7 +424,7 @@ class EmulatedHost(PullLoop):
                     while self.pending:
                         await self._flush()
             except (ServerRefused, Stopping, *NETWORK) as exc:
-                self._failed("report", exc)  # out of time, a cut-off, not an error (_failed)
+                self._failed("report", exc)  # _failed tells a cut-off from an error
         await super().leave(graceful, deadline - time.monotonic())
 
 
