@@ -11,6 +11,7 @@ from dataclasses import replace
 from coordinator.engine.uplinks import Uplinks
 from coordinator.rules.sizing import Crowd
 from coordinator.state.ledger import Ledger
+from coordinator.work.records import Host
 
 RECENT = 30.0  # seconds: a host heard from this recently is part of the crowd
 REMEMBER = 1.0  # seconds a look at the hosts is reused: 10,000 hosts cost a few ms to scan
@@ -103,21 +104,17 @@ class CrowdWatch:
         """Whether a host other than `host_id` is at work: in recent contact and not away.
         Looked at afresh (the crowd's look may be a second old, from before a pause), and
         most often settled by the first host looked at."""
-        return any(
-            h.id != host_id and h.in_service and now - h.last_contact <= RECENT
-            for h in self.ledger.hosts.values()
-            if not self.away(h.id)
-        )
+        return any(h.id != host_id and self._working(h, now) for h in self.ledger.hosts.values())
+
+    def _working(self, host: Host, now: float) -> bool:
+        """In service, heard from lately, and not away: one of the crowd."""
+        return host.in_service and now - host.last_contact <= RECENT and not self.away(host.id)
 
     def _look(self, now: float) -> Crowd:
         """The hosts in recent contact, looked at again at most every REMEMBER seconds (the
         fields of the cost line, overhead and seconds_per_byte, are not filled in)."""
         if self._hosts is None or now - self._hosts[0] >= REMEMBER:
-            hosts = [
-                h
-                for h in self.ledger.hosts.values()
-                if h.in_service and now - h.last_contact <= RECENT and not self.away(h.id)
-            ]
+            hosts = [h for h in self.ledger.hosts.values() if self._working(h, now)]
             memory = [h.max_memory_mb << 20 for h in hosts if h.max_memory_mb]
             upload = self.uplinks.typical(h.id for h in hosts)
             looked = Crowd(

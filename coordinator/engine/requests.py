@@ -148,12 +148,13 @@ class WorkRequests:
         owner is over (a paused word riding on the report says so again)."""
         self.cooling.reported(host_id)
         self.waiters.wake_host(host_id)
-        self._resume(host_id, time.time())
+        self._resume(host_id)
 
-    def _resume(self, host_id: int, now: float) -> None:
+    def _resume(self, host_id: int, now: float | None = None) -> None:
+        """The host's pause for its owner, if it was paused, is over."""
         if host_id in self.owner_busy:
             self.owner_busy.discard(host_id)
-            self.on_resumed(host_id, now)
+            self.on_resumed(host_id, time.time() if now is None else now)
 
     def finish(self) -> None:
         """Training is done: from now on every work request is answered `finished`, and
