@@ -15,7 +15,7 @@ from pathlib import Path
 from shlex import quote
 from typing import Any
 
-from coordinator.engine.progress import host_state, settle_eta
+from coordinator.engine.progress import host_state, no_host_states, settle_eta
 from coordinator.state.integrity import has_trained
 from coordinator.state.reader import ProjectReader
 from coordinator.training import history
@@ -241,11 +241,16 @@ class ProjectView:
         results = self.reader.result_counts()
         now = time.time()
         hosts = self.reader.hosts()
-        states = {"active": 0, "idle": 0, "quarantined": 0}
+        project = self.project_state()
+        # A host's pause is the running coordinator's to know: told it since it started.
+        since = project.pop("serving_since")
+        paused = self.reader.paused_hosts(since) if since is not None else set()
+        states = no_host_states()
         for h in hosts:
             # A store from before version 7 has no column `gone` (a Row's `in` reads values).
             gone = "gone" in h.keys() and bool(h["gone"])  # noqa: SIM118
-            states[host_state(h["quarantined"], gone, h["last_contact"], now)] += 1
+            is_paused = h["id"] in paused
+            states[host_state(h["quarantined"], gone, h["last_contact"], now, is_paused)] += 1
         recent = self.reader.count_events_since("result", "success", now - 60)
         summary = {
             "workunits": wus,
@@ -256,13 +261,14 @@ class ProjectView:
             "tiles_per_second": round(recent / 60, 2),
             "invalid": self.reader.invalid_count(),
             "training": training_progress(self.directory),
-            **self.project_state(),
+            **project,
         }
         return settle_eta(summary)
 
     def project_state(self) -> dict[str, Any]:
         """paused and waiting as the running coordinator last recorded them (a pause outlasts
-        a restart; why work waits is known only while a coordinator runs)."""
+        a restart; why work waits is known only while a coordinator runs), and since when a
+        coordinator serves (None: none does)."""
         from coordinator.state.lock import holder
 
         running = holder(self.directory)
@@ -271,13 +277,15 @@ class ProjectView:
         waiting = None
         serving = running is not None and running.get("command") == "coordinator"
         current = wait is not None and wait["state"] == "waiting"
-        if serving and current and wait["time"] >= running["since"] - 1:
+        since = running["since"] - 1 if serving else None  # a second's slack: its clock
+        if since is not None and current and wait["time"] >= since:
             reason = json.loads(wait["data"] or "{}").get("reason")
             waiting = {"reason": reason, "message": wait["message"], "since": wait["time"]}
         return {
             "paused": pause is not None and pause["state"] == "paused",
             "waiting": waiting,
             "coordinator": running.get("url") if running else None,
+            "serving_since": since,
         }
 
 
@@ -295,7 +303,7 @@ def status_of(directory: Path) -> dict[str, Any]:
                 "workunits": {},
                 "results": {},
                 "hosts": 0,
-                "host_states": {"active": 0, "idle": 0, "quarantined": 0},
+                "host_states": no_host_states(),
                 "hosts_quarantined": 0,
                 "tiles_per_second": 0.0,
                 "invalid": 0,

@@ -637,6 +637,14 @@ def status(target: str, as_json: bool) -> None:
         click.echo(line)
 
 
+def paused_hosts(n: int) -> str:
+    """The hosts paused by their owners, for the hosts line: said only when there are some."""
+    if not n:
+        return ""
+    whose = "its owner uses the machine" if n == 1 else "their owners use their machines"
+    return f"{n} paused ({whose}: --idle-only), "
+
+
 def status_lines(where: str, s: dict) -> list[str]:
     """What `tilehive status` prints, from a directory's summary or a coordinator's."""
     t = s.get("training") or {}
@@ -665,8 +673,8 @@ def status_lines(where: str, s: dict) -> list[str]:
     lines += [
         f"work units: {wus}; {in_flight} tiles in flight",
         f"{s.get('tiles_per_second', 0):.1f} tiles/s over the last minute",
-        f"hosts: {hosts.get('active', 0)} active, {hosts.get('idle', 0)} idle, "
-        f"{hosts.get('quarantined', 0)} quarantined",
+        f"hosts: {hosts.get('active', 0)} active, {paused_hosts(hosts.get('paused', 0))}"
+        f"{hosts.get('idle', 0)} idle, {hosts.get('quarantined', 0)} quarantined",
         f"validation failures: {s.get('invalid', 0)} invalid results",
     ]
     seconds, why_none = eta(s)

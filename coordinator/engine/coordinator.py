@@ -116,6 +116,7 @@ class Coordinator:
         self.requests.between_products = lambda: self.products.between
         self.requests.crowd = self.crowd.hosts
         self.crowd.away = self.requests.owner_busy.__contains__
+        self.progress.owner_busy = self.requests.owner_busy.__contains__
         self.requests.on_paused = self.passes.paused
         self.requests.on_resumed = self.passes.resumed
         self.requests.upload_per_byte = self.uplinks.per_byte

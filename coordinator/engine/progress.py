@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
+from collections.abc import Callable
 
 from coordinator.engine.metrics import Metrics
 from coordinator.state.ledger import Ledger
@@ -13,14 +14,24 @@ from coordinator.work.records import GemmState
 ACTIVE_WITHIN = 300.0  # seconds since its last contact for a host to count as active
 
 
-def host_state(quarantined: bool, gone: bool, last_contact: float, now: float) -> str:
-    """How `status` counts a host: quarantined; active if in contact lately and not stopped
-    (a volunteer that said it stops is idle at once); idle otherwise."""
+HOST_STATES = ("active", "paused", "idle", "quarantined")
+
+
+def host_state(
+    quarantined: bool, gone: bool, last_contact: float, now: float, paused: bool = False
+) -> str:
+    """How `status` counts a host: quarantined; idle if it said it stops (at once) or has not
+    been heard from lately; paused if its owner is using its machine (`--idle-only`: in
+    contact, but it takes no work); active otherwise."""
     if quarantined:
         return "quarantined"
-    if not gone and now - last_contact < ACTIVE_WITHIN:
-        return "active"
-    return "idle"
+    if gone or now - last_contact >= ACTIVE_WITHIN:
+        return "idle"
+    return "paused" if paused else "active"
+
+
+def no_host_states() -> dict[str, int]:
+    return dict.fromkeys(HOST_STATES, 0)
 
 
 def eta(summary: dict) -> tuple[float | None, str]:
@@ -56,6 +67,7 @@ class Progress:
         self.history: list[dict] = []  # one entry per step: loss, val_loss, seconds
         self.rates: deque[tuple[float, int]] = deque(maxlen=600)  # (time, tiles_in) samples
         self.paused = lambda: False  # the Coordinator's switch
+        self.owner_busy: Callable[[int], bool] = lambda host_id: False  # paused by its owner
         self.waiting = lambda: None  # why work waits (engine/waiting.py), if it does
         self.metrics = Metrics(self.status)
 
@@ -94,9 +106,10 @@ class Progress:
 
     def host_states(self, now: float | None = None) -> dict[str, int]:
         now = time.time() if now is None else now
-        states = {"active": 0, "idle": 0, "quarantined": 0}
+        states = no_host_states()
         for h in self.ledger.hosts.values():
-            states[host_state(h.quarantined, h.gone, h.last_contact, now)] += 1
+            paused = self.owner_busy(h.id)
+            states[host_state(h.quarantined, h.gone, h.last_contact, now, paused)] += 1
         return states
 
     def full_status(self) -> dict:

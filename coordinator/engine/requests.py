@@ -150,11 +150,22 @@ class WorkRequests:
         self.waiters.wake_host(host_id)
         self._resume(host_id)
 
-    def _resume(self, host_id: int, now: float | None = None) -> None:
-        """The host's pause for its owner, if it was paused, is over."""
+    def _resume(self, host_id: int, now: float | None = None, leaving: bool = False) -> None:
+        """The host's pause for its owner, if it was paused, is over (said in the task log,
+        unless the host is stopping: its `left` says that)."""
         if host_id in self.owner_busy:
             self.owner_busy.discard(host_id)
-            self.on_resumed(host_id, time.time() if now is None else now)
+            now = time.time() if now is None else now
+            self.on_resumed(host_id, now)
+            if not leaving:
+                self._log_pause(host_id, now, "resumed", "its owner's machine is idle again")
+
+    def _log_pause(self, host_id: int, now: float, state: str, why: str) -> None:
+        host = self.ledger.hosts.get(host_id)
+        name = f" {host.name!r}" if host is not None else ""
+        message = f"host {host_id}{name} {state}: {why} (--idle-only)"
+        log.info(message)
+        self.ledger.log([Event(now, "host", state, message, host_id=host_id)])
 
     def finish(self) -> None:
         """Training is done: from now on every work request is answered `finished`, and
@@ -209,9 +220,11 @@ class WorkRequests:
         if request.paused:
             if host.id not in self.owner_busy:
                 self.on_paused(host.id)
+                why = "its owner is using the machine, so it takes no work"
+                self._log_pause(host.id, now, "paused", why)
             self.owner_busy.add(host.id)
         else:
-            self._resume(host.id, now)
+            self._resume(host.id, now, leaving=request.leaving)
         if request.gflops:
             host = host.evolve(gflops=request.gflops)
         self.ledger.put_host(host)

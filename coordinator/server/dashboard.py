@@ -17,9 +17,10 @@ import itertools
 import time
 from typing import TYPE_CHECKING
 
-from coordinator.engine.progress import eta
+from coordinator.engine.progress import eta, host_state
 from coordinator.work.records import (
     GemmState,
+    Host,
     Outcome,
     Result,
     ServerState,
@@ -252,18 +253,35 @@ def uplink(rate: float | None) -> str:
     return f"{rate / 1e6:.1f} MB/s" if rate >= 1e6 else f"{rate / 1e3:.0f} KB/s"
 
 
+def host_condition(co: Coordinator, h: Host, now: float) -> tuple[str, str]:
+    """(its row's class, what its state column says): why a host takes no work, if it
+    takes none."""
+    state = host_state(h.quarantined, h.gone, h.last_contact, now, h.id in co.requests.owner_busy)
+    if state == "quarantined":
+        return "quarantined", "QUARANTINED"
+    if state == "idle":
+        return "ok", "stopped" if h.gone else "not heard from lately"
+    if state == "paused":
+        return "paused", "paused: its owner uses the machine (--idle-only)"
+    cooling = co.requests.cooling.left(h.id, now)
+    if cooling > 0:
+        return "ok", f"no new work for {cooling:.0f}s: it sat on a tile"
+    return "ok", "ok"
+
+
 def host_table(co: Coordinator, now: float) -> str:
     """The hosts, most valid results first, the first HOSTS_SHOWN of them, and totals."""
     e = html.escape
     every = sorted(co.ledger.hosts.values(), key=lambda h: (-h.valid_count, h.name, h.id))
+    conditions = {h.id: host_condition(co, h, now) for h in every[:HOSTS_SHOWN]}
     rows = "".join(
-        f"<tr class='{'quarantined' if h.quarantined else 'ok'}'>"
+        f"<tr class='{conditions[h.id][0]}'>"
         f"<td class='l'>{e(h.name)}</td><td>{h.id}</td><td>{h.gflops:.1f}</td>"
         f"<td>{uplink(co.uplinks.rate(h.id))}</td>"
         f"<td>{h.consecutive_valid}</td><td>{h.valid_count}</td><td>{h.invalid_count}</td>"
         f"<td>{h.error_count}</td><td>{h.max_in_progress}</td>"
         f"<td>{now - h.last_contact:.0f}s ago</td>"
-        f"<td class='l'>{'QUARANTINED' if h.quarantined else 'ok'}</td></tr>"
+        f"<td class='l'>{conditions[h.id][1]}</td></tr>"
         for h in every[:HOSTS_SHOWN]
     )
     more = (
@@ -325,12 +343,14 @@ async def render(co: Coordinator, fragment: bool = False) -> str:
     steps = training.get("steps") or "?"
     loss = f"{training['loss']:.4f}" if "loss" in training else "-"
     seconds, why_none = eta(status)
+    hosts = status["host_states"]
+    paused = f"{hosts['paused']} paused, " if hosts["paused"] else ""  # said when there are some
     cards = [
         f"<span id='step'>step <b>{step}</b> of {steps}</span>",
         f"<span>loss <b>{loss}</b></span>",
         f"<span>ETA {_duration(seconds) if seconds is not None else e(why_none)}</span>",
         f"<span>{status['tiles_per_second']:.1f} tiles/s</span>",
-        f"<span>hosts {status['host_states']['active']} active, "
+        f"<span>hosts {hosts['active']} active, {paused}"
         f"{status['hosts_quarantined']} quarantined</span>",
         f"<span>{status['invalid']} invalid results</span>",
     ]

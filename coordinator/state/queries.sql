@@ -221,6 +221,11 @@ WHERE (:step IS NULL OR w.step = :step)
   AND (:since IS NULL OR w.created >= :since)
   AND (:host_id IS NULL OR w.id IN (SELECT wu_id FROM results WHERE host_id = :host_id));
 
+-- name: select_host_pauses_since
+SELECT host_id, state FROM events
+WHERE kind = 'host' AND state IN ('paused', 'resumed') AND time >= :since
+ORDER BY id;
+
 -- name: select_last_event_in_states
 SELECT * FROM events
 WHERE kind = :kind AND state IN (SELECT value FROM json_each(:states))

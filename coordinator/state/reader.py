@@ -185,6 +185,14 @@ class ProjectReader:
         rows = self._rows("select_last_event_in_states", kind=kind, states=json.dumps(list(states)))
         return rows[0] if rows else None
 
+    def paused_hosts(self, since: float) -> set[int]:
+        """The hosts whose last word since `since` was that their owners use their machines
+        (`--idle-only`): a `paused` host event with no `resumed` after it."""
+        paused: set[int] = set()
+        for row in self._rows("select_host_pauses_since", since=since):
+            (paused.add if row["state"] == "paused" else paused.discard)(row["host_id"])
+        return paused
+
     def last_event_id(self) -> int:
         return self._rows("select_last_event_id")[0]["n"]
 

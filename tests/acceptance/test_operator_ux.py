@@ -198,7 +198,7 @@ def test_a_volunteer_that_stops_is_not_waited_for(tmp_path, reaper, stop_signal)
         timeout=30,  # a host silent for CONNECTED_WITHIN (60 s) would count as gone only then
         what="the coordinator to say work waits for another volunteer",
     )
-    assert status_of(url)["host_states"] == {"active": 1, "idle": 1, "quarantined": 0}
+    assert status_of(url)["host_states"] == {"active": 1, "paused": 0, "idle": 1, "quarantined": 0}
     poll(
         lambda: "hosts: 1 active, 1 idle" in tilehive("status", str(project)).stdout,
         what="status from the files to count the stopped volunteer idle",

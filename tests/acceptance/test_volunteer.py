@@ -10,6 +10,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import urllib.request
 
 import numpy as np
 import pytest
@@ -627,11 +628,35 @@ async def test_an_idle_only_volunteer_pauses_for_its_owner_and_the_coordinator_s
         said = tilehive("status", url, "--json")
         return (json.loads(said.stdout).get("waiting") or {}).get("reason")
 
+    def hosts(where: str) -> dict[str, int]:
+        return json.loads(tilehive("status", where, "--json").stdout)["host_states"]
+
     await wait_until(lambda: reason() == "hosts_paused", 120)
     assert "machine busy: other programs use" in volunteer_status(state_dir)["note"]
+    # The operator sees the host paused, not active, and why: from the coordinator, from
+    # the project's files (once the pause is committed), and on the dashboard.
+    assert hosts(url) == {"active": 0, "paused": 1, "idle": 0, "quarantined": 0}
+    said = tilehive("status", url).stdout
+    assert "hosts: 0 active, 1 paused (its owner uses the machine: --idle-only)" in said
+    await wait_until(lambda: hosts(str(directory))["paused"] == 1, 60)
+    page = await asyncio.to_thread(_read, url + "/")
+    assert "paused: its owner uses the machine (--idle-only)" in page
+    assert "hosts 0 active, 1 paused" in page
     owner.kill()
     owner.wait()
     tiles = volunteer_status(state_dir)["tiles"]
     await wait_until(lambda: volunteer_status(state_dir).get("tiles", 0) > tiles, 120)
     out = (state_dir / "out").read_text()
     assert "pausing: other programs use" in out and "resuming: other programs use" in out
+    assert hosts(url)["paused"] == 0
+    await wait_until(lambda: hosts(str(directory))["paused"] == 0, 60)
+    # The task log says each once a pause: when it began, and when it ended.
+    said = [m for (m,) in committed(directory, "SELECT message FROM events WHERE kind = 'host'")]
+    pauses = out.count("pausing: other programs use")
+    assert sum("paused: its owner is using the machine" in m for m in said) == pauses, said
+    assert sum("resumed: its owner's machine is idle again" in m for m in said) == pauses, said
+
+
+def _read(url: str) -> str:
+    with urllib.request.urlopen(url, timeout=10) as reply:
+        return reply.read().decode()

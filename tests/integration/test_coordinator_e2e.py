@@ -158,6 +158,43 @@ async def test_the_tiles_of_a_volunteer_paused_for_its_owner_go_to_another_at_on
         assert host.error_count == 0 and co.requests.cooling.left(host.id, time.time()) == 0
 
 
+async def test_a_host_paused_for_its_owner_is_counted_and_shown_as_such_and_logged_once(
+    tmp_path,
+):
+    """The operator sees why a host takes no work: status counts it paused, not active, the
+    dashboard's hosts table says so, and the task log says when each pause began and ended,
+    once each, however often the host repeats that it is paused."""
+    from coordinator.server.dashboard import host_condition
+
+    async with running(tmp_path, policy=Policy.FREIVALDS, tile=16) as (co, _, url):
+        async with CoordinatorClient(url) as host:
+            host_id = await host.register("laptop")
+
+            def looks() -> tuple[str, str, dict]:
+                states = co.progress.status()["host_states"]
+                return (*host_condition(co, co.ledger.hosts[host_id], time.time()), states)
+
+            await host.request_work("a", capacity=0, wait=False)
+            assert looks() == ("ok", "ok", {"active": 1, "paused": 0, "idle": 0, "quarantined": 0})
+            for ask in ("p1", "p2", "p3"):  # a paused volunteer says so every 10 to 30 s
+                await host.request_work(ask, capacity=0, wait=False, paused=True)
+            paused = ("paused", "paused: its owner uses the machine (--idle-only)")
+            assert looks() == (*paused, {"active": 0, "paused": 1, "idle": 0, "quarantined": 0})
+            await host.request_work("b", capacity=0, wait=False)
+            assert looks()[2]["active"] == 1
+            await host.request_work("p4", capacity=0, wait=False, paused=True)
+            # A host that stops while paused has stopped: no `resumed` said for it.
+            await host.request_work("bye", capacity=0, wait=False, leaving=True)
+            assert looks()[:2] == ("ok", "stopped")
+        await co.ledger.flush()
+        said = [(e.state, e.message) for e in await co.store.events(kind="host")]
+        assert [state for state, _ in said] == ["registered", "paused", "resumed", "paused", "left"]
+        assert said[1][1] == (
+            f"host {host_id} 'laptop' paused: its owner is using the machine, so it takes no "
+            "work (--idle-only)"
+        )
+
+
 async def test_a_pause_begun_alone_has_its_tiles_spared_once_another_volunteer_comes(tmp_path, rng):
     """With no other host at work a spare would go to no one, and none is made; the pause
     is not forgotten for that: the tiles are spared once another volunteer comes."""
