@@ -119,6 +119,8 @@ class Coordinator:
         self.progress.owner_busy = self.requests.owner_busy.__contains__
         self.requests.on_paused = self.passes.paused
         self.requests.on_resumed = self.passes.resumed
+        self.requests.on_probation = self.passes.probation
+        self.passes.probation_due = self.requests.cooling.due
         self.requests.upload_per_byte = self.uplinks.per_byte
         self.requests.uplinks_too_slow = lambda: self.waiting.reason == "hosts_too_slow"
         self.reports.reported = self.requests.reported

@@ -95,6 +95,9 @@ class Passes:
         # Hosts paused for their owners (`paused`, through WorkRequests.on_paused) that may
         # hold work not yet spared: each pass spares it, once another host is at work.
         self._paused: set[int] = set()
+        # Hosts on probation (rules/cooling.py) whose time to report what they took has run
+        # out with nothing reported: they sat on it again.
+        self.probation_due: Callable[[float], list[int]] = lambda now: []
 
     def wake(self) -> None:
         self._wake.set()
@@ -383,12 +386,45 @@ class Passes:
                 allowed = lag + self.config.straggler_factor * uploads
                 self._judging[result_id] = (host_id, math.inf, allowed)
 
+    def probation(self, host_id: int, result_ids: list[str], now: float) -> float:
+        """Tiles just given to a host on probation (it sat on a tile and has reported
+        nothing since): each gets a spare replica at once, so that its product does not
+        wait a straggler's time to learn again what it learnt once, and once another host
+        is at work. Returns the seconds the host has to report something."""
+        watch = self.products.crowd
+        floor = self.config.straggler_floor
+        if watch is None:
+            return floor
+        others = watch.others_working(now, host_id)
+        longest = 0.0
+        for result_id in result_ids:
+            result = self.ledger.results.get(result_id)
+            wu = self.ledger.wus.get(result.wu_id) if result is not None else None
+            if wu is None:
+                continue
+            longest = max(longest, sizing.tile_seconds(*wu.shape, watch.crowd(now)))
+            if not others or wu.state is not WuState.ACTIVE or wu.accelerated:
+                continue
+            spare = wu.evolve(target_nresults=wu.target_nresults + 1, accelerated=True)
+            self.ledger.put_wu(spare)
+            self.ledger.touched.add(wu.id)
+            message = (
+                f"probation: host {host_id} holding it sat on a tile and has reported "
+                "nothing since; spare replica for another host"
+            )
+            self.ledger.log([Event.about(wu, now, "accelerated", message)])
+        self.wake()
+        uploads = queued_upload_bytes(self.ledger, host_id) * watch.uplinks.per_byte(host_id)
+        factor = self.config.straggler_factor
+        return max(floor, factor * longest) + factor * uploads
+
     def _spare_stragglers(self, now: float) -> None:
         """A spare replica for each work unit whose replicas have all been out far longer
         than a tile takes the crowd: the tail rule spares only products nearly done, and a
         product of one tile, or one host sitting on its tiles, is never nearly done. Once a
         work unit (`accelerated`), and only with another host in service to take it."""
         sitting = set(self._judged(now))  # hosts that sat on a spared tile: once each
+        sitting.update(self.probation_due(now))
         self._spare(now, sitting)
         for host_id in sorted(sitting):
             self.sat_on(host_id, now)

@@ -135,6 +135,9 @@ class WorkRequests:
         # holds, judged only from the pause's end).
         self.on_paused: Callable[[int], None] = lambda host_id: None
         self.on_resumed: Callable[[int, float], None] = lambda host_id, now: None
+        # A host on probation took tiles (engine/passes.py: spares for them at once); the
+        # seconds it has to report something.
+        self.on_probation: Callable[[int, list[str], float], float] = lambda h, r, now: 0.0
         self._inflight: dict[tuple[int, str], asyncio.Future] = {}
         self.cooling = Cooling()  # hosts that sat on a tile wait before they get more
 
@@ -284,6 +287,9 @@ class WorkRequests:
         self.ledger.log(plan.events)
         self.stats["bytes_saved"] += plan.bytes_saved
         assignments = [self._assignment(a.wu, a.result, now) for a in plan.assignments]
+        if plan.assignments and self.cooling.on_probation(host.id):
+            taken = [a.result.id for a in plan.assignments]
+            self.cooling.watch(host.id, now + self.on_probation(host.id, taken, now))
         # A host that computes (or may hold no more) is not idle: it asks again when its
         # queue runs low, whatever `delay` says.
         if not assignments and not request.in_progress and (plan.room > 0 or request.paused):
