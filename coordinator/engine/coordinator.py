@@ -120,7 +120,6 @@ class Coordinator:
         self.requests.on_paused = self.passes.paused
         self.requests.on_resumed = self.passes.resumed
         self.requests.on_probation = self.passes.probation
-        self.passes.probation_due = self.requests.cooling.due
         self.requests.upload_per_byte = self.uplinks.per_byte
         self.requests.uplinks_too_slow = lambda: self.waiting.reason == "hosts_too_slow"
         self.reports.reported = self.requests.reported
@@ -166,8 +165,8 @@ class Coordinator:
         self.ledger.put_host(trust.after_error(host, self.config.trust))
         seconds = self.requests.cooling.sat_on(host_id, now)
         log.info(
-            "host %d %r sat on a tile long after the others' came back: it went to another "
-            "host, and this one gets no new work for %.0fs",
+            "host %d %r sat on a tile: still out a straggler's time after the crowd takes "
+            "for one, it went to another host too, and this one gets no new work for %.0fs",
             host_id,
             host.name,
             seconds,

@@ -87,29 +87,34 @@ class Passes:
         # A host sat on a tile that needed a straggler's spare (the Coordinator: no new work
         # for it a while, rules/cooling.py).
         self.sat_on: Callable[[int, float], None] = lambda host_id, now: None
-        # Holders of spared tiles whose own uplink, or whose owner, might explain the wait:
-        # result id -> (host id, when it is judged, the seconds it has once its pause ends).
+        # Holders of spared tiles whose own uplink, or whose owner, might explain the wait,
+        # and of the tiles a host on probation took: result id -> (host id, when it is
+        # judged, the seconds it has once its pause ends; 0.0: not yet put off by a pause).
         # Still out then, the host sat on it after all. A paused host's is judged `math.inf`
         # until its first request after the pause (`resumed`).
         self._judging: dict[str, tuple[int, float, float]] = {}
         # Hosts paused for their owners (`paused`, through WorkRequests.on_paused) that may
         # hold work not yet spared: each pass spares it, once another host is at work.
         self._paused: set[int] = set()
-        # Hosts on probation (rules/cooling.py) whose time to report what they took has run
-        # out with nothing reported: they sat on it again.
-        self.probation_due: Callable[[float], list[int]] = lambda now: []
 
     def wake(self) -> None:
         self._wake.set()
 
-    def paused(self, host_id: int) -> None:
-        """A host's owner needs its machine: spare what it holds, in a pass run now."""
+    def paused(self, host_id: int, now: float) -> None:
+        """A host's owner needs its machine: spare what it holds, in a pass run now. What it
+        was already to be judged for (a straggler's or a probation tile: spared already)
+        waits for the pause's end, with the time it had left; once, or a host saying
+        `paused` between its asks would never be judged."""
         self._paused.add(host_id)
+        for result_id, (holder, judged_at, allowed) in list(self._judging.items()):
+            if holder == host_id and not allowed and now < judged_at < math.inf:
+                self._judging[result_id] = (holder, math.inf, judged_at - now)
         self.wake()
 
     def resumed(self, host_id: int, now: float) -> None:
         """A paused host asks or reports again: the tiles spared for its pause are judged
-        from now, as a straggler's are from their spare. A later pause does not put that
+        from now, as a straggler's are from their spare, and those it was to be judged for
+        before the pause with the time they had left. A later pause does not put that
         off: a host that said `paused` between taking tiles would never be judged."""
         self._paused.discard(host_id)
         for result_id, (holder, judged_at, allowed) in list(self._judging.items()):
@@ -386,37 +391,38 @@ class Passes:
                 allowed = lag + self.config.straggler_factor * uploads
                 self._judging[result_id] = (host_id, math.inf, allowed)
 
-    def probation(self, host_id: int, result_ids: list[str], now: float) -> float:
-        """Tiles just given to a host on probation (it sat on a tile and has reported
-        nothing since): each gets a spare replica at once, so that its product does not
-        wait a straggler's time to learn again what it learnt once, and once another host
-        is at work. Returns the seconds the host has to report something."""
+    def probation(self, host_id: int, result_ids: list[str], now: float) -> None:
+        """Tiles just given to a host on probation (it sat on a tile and has computed
+        nothing since, rules/cooling.py): each gets a spare replica at once, once another
+        host is at work, so that its product does not wait a straggler's time to learn
+        again what it learnt once. The host is judged for each as for a spared straggler's:
+        still out in its hands a straggler's time from now, it sat on it too. A copy
+        dropped because the spare decided its work unit first is not held against it."""
         watch = self.products.crowd
-        floor = self.config.straggler_floor
         if watch is None:
-            return floor
+            return
         others = watch.others_working(now, host_id)
-        longest = 0.0
+        factor = self.config.straggler_factor
+        uploads = queued_upload_bytes(self.ledger, host_id) * watch.uplinks.per_byte(host_id)
         for result_id in result_ids:
             result = self.ledger.results.get(result_id)
             wu = self.ledger.wus.get(result.wu_id) if result is not None else None
-            if wu is None:
+            if wu is None or wu.state is not WuState.ACTIVE:
                 continue
-            longest = max(longest, sizing.tile_seconds(*wu.shape, watch.crowd(now)))
-            if not others or wu.state is not WuState.ACTIVE or wu.accelerated:
+            expected = sizing.tile_seconds(*wu.shape, watch.crowd(now))
+            lag = max(self.config.straggler_floor, factor * expected) + factor * uploads
+            self._judging[result_id] = (host_id, now + lag, 0.0)
+            if not others or wu.accelerated:
                 continue
             spare = wu.evolve(target_nresults=wu.target_nresults + 1, accelerated=True)
             self.ledger.put_wu(spare)
             self.ledger.touched.add(wu.id)
             message = (
-                f"probation: host {host_id} holding it sat on a tile and has reported "
+                f"probation: host {host_id} holding it sat on a tile and has computed "
                 "nothing since; spare replica for another host"
             )
             self.ledger.log([Event.about(wu, now, "accelerated", message)])
         self.wake()
-        uploads = queued_upload_bytes(self.ledger, host_id) * watch.uplinks.per_byte(host_id)
-        factor = self.config.straggler_factor
-        return max(floor, factor * longest) + factor * uploads
 
     def _spare_stragglers(self, now: float) -> None:
         """A spare replica for each work unit whose replicas have all been out far longer
@@ -424,7 +430,6 @@ class Passes:
         product of one tile, or one host sitting on its tiles, is never nearly done. Once a
         work unit (`accelerated`), and only with another host in service to take it."""
         sitting = set(self._judged(now))  # hosts that sat on a spared tile: once each
-        sitting.update(self.probation_due(now))
         self._spare(now, sitting)
         for host_id in sorted(sitting):
             self.sat_on(host_id, now)

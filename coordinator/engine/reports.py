@@ -62,9 +62,10 @@ class Reports:
         self.crowd = crowd  # learns what a tile costs beyond its arithmetic
         self.uplinks = uplinks or Uplinks()  # and its upload, each host's (engine/uplinks.py)
         self.hold = hold  # a stored tile is held until its product is done (Products.hold)
-        # A host's results in progress went down: its waiting ask may take more
-        # (WorkRequests.reported).
-        self.reported: Callable[[int], None] = lambda host_id: None
+        # A host reported, so its results in progress went down (WorkRequests.reported):
+        # whether it computed something, and whether the work request riding on the report
+        # says it is paused.
+        self.reported: Callable[[int, bool, bool], None] = lambda host_id, computed, paused: None
 
     def arriving(self, host_id: int, began: float, now: float) -> None:
         """A report from the host, begun at `began`, is still arriving at `now` (a sign of
@@ -179,10 +180,12 @@ class Reports:
         for entry, _, wu, _ in fresh:
             self.hold(wu.gemm_id, [hashes[entry.result_id]])
         summary: dict[str, list[str]] = {"accepted": [], "late": finished, "duplicate": []}
+        computed = False  # a result it computed, new to the coordinator, is among them
         for entry, result, wu, tile in checked:
             output_hash = hashes.get(entry.result_id, entry.output_hash)
             verdict = self._apply(host, entry, result, wu, output_hash, tile is not None, now)
             summary[verdict].append(entry.result_id)
+            computed |= _computed(entry, verdict, entry.result_id in self.ledger.results)
         # A host that reports is back, if it had said it was leaving.
         self.ledger.put_host(self.ledger.hosts[host.id].evolve(last_contact=now, gone=False))
         if request.work is None:
@@ -190,7 +193,8 @@ class Reports:
         # else: committed with the answer to the host's ask for work, in one transaction
         # (server/api.py report), right after both answers leave.
         self.wake()
-        self.reported(host.id)
+        paused = request.work is not None and request.work.paused
+        self.reported(host.id, computed, paused)
         return summary
 
     def _reported(self, result: Result) -> bool:
@@ -288,6 +292,14 @@ class Reports:
         self.ledger.log([Event.about(wu, now, state, message, result)])
         self.ledger.touched.add(wu.id)
         return "late" if late else "accepted"
+
+
+def _computed(entry: ResultReport, verdict: str, known: bool) -> bool:
+    """Whether this entry shows its host computing: a tile or hash it computed, new to the
+    coordinator (on time or late). A tile given back, an error, a repeat or a report of a
+    result already gone shows nothing of the kind: a host that sat on tiles could end its
+    probation with those at no cost (rules/cooling.py)."""
+    return known and verdict != "duplicate" and entry.error is None and not entry.abandoned
 
 
 def quarantine_event(host: Host, now: float) -> Event:

@@ -133,11 +133,10 @@ class WorkRequests:
         self.owner_busy: set[int] = set()
         # A host's request begins a pause, and ends it (engine/passes.py: spares for what it
         # holds, judged only from the pause's end).
-        self.on_paused: Callable[[int], None] = lambda host_id: None
+        self.on_paused: Callable[[int, float], None] = lambda host_id, now: None
         self.on_resumed: Callable[[int, float], None] = lambda host_id, now: None
-        # A host on probation took tiles (engine/passes.py: spares for them at once); the
-        # seconds it has to report something.
-        self.on_probation: Callable[[int, list[str], float], float] = lambda h, r, now: 0.0
+        # A host on probation took tiles (engine/passes.py: spares for them at once).
+        self.on_probation: Callable[[int, list[str], float], None] = lambda h, r, now: None
         self._inflight: dict[tuple[int, str], asyncio.Future] = {}
         self.cooling = Cooling()  # hosts that sat on a tile wait before they get more
 
@@ -145,13 +144,17 @@ class WorkRequests:
         """New unsent results: wake as many waiting requests as there is work for."""
         self.waiters.wake(len(self.ledger.unsent))
 
-    def reported(self, host_id: int) -> None:
+    def reported(self, host_id: int, computed: bool, paused: bool) -> None:
         """The host reported results: a request of its own waiting for work, which its
-        share of a product held back, may take more now; and whatever paused it for its
-        owner is over (a paused word riding on the report says so again)."""
-        self.cooling.reported(host_id)
+        share of a product held back, may take more now. If it `computed` some, it is not
+        sitting on its tiles (its cooling streak and probation end), and, unless the work
+        request riding on the report says it is `paused`, its owner's pause is over. Tiles
+        given back, errors and repeats show neither."""
         self.waiters.wake_host(host_id)
-        self._resume(host_id)
+        if computed:
+            self.cooling.reported(host_id)
+            if not paused:
+                self._resume(host_id)
 
     def _resume(self, host_id: int, now: float | None = None, leaving: bool = False) -> None:
         """The host's pause for its owner, if it was paused, is over (said in the task log,
@@ -222,7 +225,7 @@ class WorkRequests:
         host = self.ledger.hosts[host.id].evolve(last_contact=now, gone=request.leaving)
         if request.paused:
             if host.id not in self.owner_busy:
-                self.on_paused(host.id)
+                self.on_paused(host.id, now)
                 why = "its owner is using the machine, so it takes no work"
                 self._log_pause(host.id, now, "paused", why)
             self.owner_busy.add(host.id)
@@ -288,8 +291,9 @@ class WorkRequests:
         self.stats["bytes_saved"] += plan.bytes_saved
         assignments = [self._assignment(a.wu, a.result, now) for a in plan.assignments]
         if plan.assignments and self.cooling.on_probation(host.id):
-            taken = [a.result.id for a in plan.assignments]
-            self.cooling.watch(host.id, now + self.on_probation(host.id, taken, now))
+            # New ones only: a tile resent (its reply lost) was judged from its first send.
+            taken = [a.result.id for a in plan.assignments if a.result.sent_time == now]
+            self.on_probation(host.id, taken, now)
         # A host that computes (or may hold no more) is not idle: it asks again when its
         # queue runs low, whatever `delay` says.
         if not assignments and not request.in_progress and (plan.room > 0 or request.paused):

@@ -6,8 +6,8 @@ the moment it asked again, and hold that up too. Each time in a row it waits twi
 long before it gets more, up to COOL_MAX; a report of its own ends the streak.
 
 Until then the host is on probation: each tile it takes once its wait is over gets a
-spare at once (engine/passes.py, `Passes.probation`), and if it has still reported nothing
-a straggler's time later (`watch`, `due`), it sat on those too.
+spare at once (engine/passes.py, `Passes.probation`), and if that tile is still out in its
+hands a straggler's time later, it sat on it too.
 """
 
 from __future__ import annotations
@@ -22,23 +22,10 @@ COOL_MAX = 120.0
 class Cooling:
     streak: dict[int, int] = field(default_factory=dict)  # tiles sat on in a row, by host
     until: dict[int, float] = field(default_factory=dict)  # no new work before (time.time)
-    # Hosts on probation that took tiles: judged at this time (the earliest tiles' time).
-    watched: dict[int, float] = field(default_factory=dict)
 
     def on_probation(self, host_id: int) -> bool:
-        """The host sat on a tile and has reported nothing since."""
+        """The host sat on a tile and has computed nothing since."""
         return host_id in self.streak
-
-    def watch(self, host_id: int, at: float) -> None:
-        """The host, on probation, took tiles: reporting nothing by `at`, it sat on them."""
-        self.watched.setdefault(host_id, at)
-
-    def due(self, now: float) -> list[int]:
-        """Hosts on probation whose time to report has run out with nothing reported."""
-        hosts = [h for h, at in self.watched.items() if at <= now]
-        for host_id in hosts:
-            del self.watched[host_id]
-        return sorted(hosts)
 
     def sat_on(self, host_id: int, now: float) -> float:
         """The host sat on a tile: seconds it now gets no new work."""
@@ -49,11 +36,10 @@ class Cooling:
         return seconds
 
     def reported(self, host_id: int) -> None:
-        """The host reported: whatever it sat on before, it computes."""
+        """The host reported a result it computed: whatever it sat on before, it computes."""
         if host_id in self.streak:
             del self.streak[host_id]
             self.until.pop(host_id, None)
-            self.watched.pop(host_id, None)
 
     def left(self, host_id: int, now: float) -> float:
         """Seconds before the host gets new work again (0: now)."""

@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import html
 import itertools
+import math
 import time
 from typing import TYPE_CHECKING
 
@@ -265,7 +266,9 @@ def host_condition(co: Coordinator, h: Host, now: float) -> tuple[str, str]:
         return "paused", "paused: its owner uses the machine (--idle-only)"
     cooling = co.requests.cooling.left(h.id, now)
     if cooling > 0:
-        return "ok", f"no new work for {cooling:.0f}s: it sat on a tile"
+        return "ok", f"no new work for {math.ceil(cooling)}s: it sat on a tile"
+    if co.requests.cooling.on_probation(h.id):
+        return "ok", "on probation: it sat on a tile; each it takes gets a spare"
     return "ok", "ok"
 
 

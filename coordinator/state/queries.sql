@@ -223,7 +223,7 @@ WHERE (:step IS NULL OR w.step = :step)
 
 -- name: select_host_pauses_since
 SELECT host_id, state FROM events
-WHERE kind = 'host' AND state IN ('paused', 'resumed') AND time >= :since
+WHERE kind = 'host' AND state IN ('paused', 'resumed', 'left') AND time >= :since
 ORDER BY id;
 
 -- name: select_last_event_in_states

@@ -187,7 +187,7 @@ class ProjectReader:
 
     def paused_hosts(self, since: float) -> set[int]:
         """The hosts whose last word since `since` was that their owners use their machines
-        (`--idle-only`): a `paused` host event with no `resumed` after it."""
+        (`--idle-only`): a `paused` host event with no `resumed` or `left` after it."""
         paused: set[int] = set()
         for row in self._rows("select_host_pauses_since", since=since):
             (paused.add if row["state"] == "paused" else paused.discard)(row["host_id"])

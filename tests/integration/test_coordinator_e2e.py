@@ -159,14 +159,21 @@ async def test_the_tiles_of_a_volunteer_paused_for_its_owner_go_to_another_at_on
 
 
 async def test_a_host_paused_for_its_owner_is_counted_and_shown_as_such_and_logged_once(
-    tmp_path,
+    tmp_path, rng
 ):
     """The operator sees why a host takes no work: status counts it paused, not active, the
     dashboard's hosts table says so, and the task log says when each pause began and ended,
-    once each, however often the host repeats that it is paused."""
+    once each: not again as the host repeats that it is paused, nor when it reports the tile
+    it was computing with that word riding on the report, nor as it gives its tiles back
+    and stops (a review found `resumed` said for those)."""
     from coordinator.server.dashboard import host_condition
+    from coordinator.state.reader import ProjectReader
 
-    async with running(tmp_path, policy=Policy.FREIVALDS, tile=16) as (co, _, url):
+    settings = {"tile": 16, "tail_fraction": 2.0, "straggler_floor": 600.0}
+    async with running(tmp_path, policy=Policy.FREIVALDS, **settings) as (co, queue, url):
+        a, b = operands(rng, 32, 16, 8, False, False)  # two tiles
+        product = asyncio.ensure_future(queue.matmul(a, b))
+        await wait_until(lambda: co.ledger.unsent)
         async with CoordinatorClient(url) as host:
             host_id = await host.register("laptop")
 
@@ -174,18 +181,35 @@ async def test_a_host_paused_for_its_owner_is_counted_and_shown_as_such_and_logg
                 states = co.progress.status()["host_states"]
                 return (*host_condition(co, co.ledger.hosts[host_id], time.time()), states)
 
-            await host.request_work("a", capacity=0, wait=False)
+            def ask(name: str, **fields) -> dict:
+                fields = {"capacity": 0, "wait": False, **fields}
+                return host.request_work(name, in_progress=held, **fields)
+
+            first, second = (await host.request_work("a", capacity=2))["assignments"]
+            held = [first["result_id"], second["result_id"]]
             assert looks() == ("ok", "ok", {"active": 1, "paused": 0, "idle": 0, "quarantined": 0})
-            for ask in ("p1", "p2", "p3"):  # a paused volunteer says so every 10 to 30 s
-                await host.request_work(ask, capacity=0, wait=False, paused=True)
+            for name in ("p1", "p2", "p3"):  # a paused volunteer says so every 10 to 30 s
+                await ask(name, paused=True)
             paused = ("paused", "paused: its owner uses the machine (--idle-only)")
             assert looks() == (*paused, {"active": 0, "paused": 1, "idle": 0, "quarantined": 0})
-            await host.request_work("b", capacity=0, wait=False)
+            # The tile it was computing as its owner came back, with the paused word riding.
+            tile_a = await host.fetch_blob(first["a"], max_bytes=1 << 20)
+            tile_b = await host.fetch_blob(first["b"], max_bytes=1 << 20)
+            tile = compute_tile(first, tile_a, tile_b)[1]
+            held = [second["result_id"]]
+            riding = {"request_id": "p4", "capacity": 0, "in_progress": held, "paused": True}
+            await host.report([{"result_id": first["result_id"], "tile": tile}], work=riding)
+            assert looks()[2]["paused"] == 1
+            await ask("b")
             assert looks()[2]["active"] == 1
-            await host.request_work("p4", capacity=0, wait=False, paused=True)
-            # A host that stops while paused has stopped: no `resumed` said for it.
-            await host.request_work("bye", capacity=0, wait=False, leaving=True)
+            await ask("p5", paused=True)
+            # It stops while paused: gives its tile back, and says it leaves.
+            await host.report([{"result_id": second["result_id"], "abandoned": True}])
+            assert looks()[2]["paused"] == 1
+            held = []
+            await ask("bye", leaving=True)
             assert looks()[:2] == ("ok", "stopped")
+        product.cancel()
         await co.ledger.flush()
         said = [(e.state, e.message) for e in await co.store.events(kind="host")]
         assert [state for state, _ in said] == ["registered", "paused", "resumed", "paused", "left"]
@@ -193,6 +217,9 @@ async def test_a_host_paused_for_its_owner_is_counted_and_shown_as_such_and_logg
             f"host {host_id} 'laptop' paused: its owner is using the machine, so it takes no "
             "work (--idle-only)"
         )
+        # status DIR reads the same from the task log: it left, so it is not paused.
+        with ProjectReader(tmp_path / "project" / "state.db") as reader:
+            assert reader.paused_hosts(0.0) == set()
 
 
 async def test_a_pause_begun_alone_has_its_tiles_spared_once_another_volunteer_comes(tmp_path, rng):

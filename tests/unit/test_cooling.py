@@ -17,14 +17,11 @@ def test_each_tile_sat_on_in_a_row_doubles_the_wait_and_a_report_ends_the_streak
     assert cooling.left(7, 100.0) == 0.0 and cooling.sat_on(7, 200.0) == 2.0
 
 
-def test_a_host_on_probation_is_judged_once_for_what_it_took_and_a_report_ends_it():
+def test_a_host_is_on_probation_from_the_tile_it_sat_on_to_its_next_computed_result():
     cooling = Cooling()
     assert not cooling.on_probation(7)
     cooling.sat_on(7, 100.0)
     assert cooling.on_probation(7) and not cooling.on_probation(8)
-    cooling.watch(7, 105.0)
-    cooling.watch(7, 106.0)  # more tiles taken: judged by the first tiles' time
-    assert cooling.due(104.9) == [] and cooling.due(105.0) == [7] and cooling.due(110.0) == []
-    cooling.watch(7, 112.0)
-    cooling.reported(7)  # it computes after all: no longer on probation, not judged
-    assert not cooling.on_probation(7) and cooling.due(200.0) == []
+    assert cooling.left(7, 200.0) == 0.0 and cooling.on_probation(7)  # its wait over: still
+    cooling.reported(7)
+    assert not cooling.on_probation(7)
