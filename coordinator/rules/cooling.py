@@ -3,7 +3,7 @@
 A host whose tile needed a straggler's spare (engine/passes.py) held up a product it
 was trusted with; a slow, stopped or hoarding host would take the next product's tile
 the moment it asked again, and hold that up too. Each time in a row it waits twice as
-long before it gets more, up to COOL_MAX; a report of its own ends the streak.
+long before it gets more, up to COOL_MAX; a result it computed, reported, ends the streak.
 
 Until then the host is on probation: each tile it takes once its wait is over gets a
 spare at once (engine/passes.py, `Passes.probation`), and if that tile is still out in its
