@@ -48,6 +48,10 @@ REPLY_PRUNE_EVERY = 60.0  # seconds between prunes of the stored work replies
 WAIT_CHECK_EVERY = 1.0  # seconds between looks at why work waits
 
 
+# Why a host that needed a straggler's spare sat on its tile, as the log says it.
+STRAGGLED = "a tile still out a straggler's time after the crowd takes for one; spared"
+
+
 class Coordinator:
     """One project's coordinator: its store, ledger and blobs, and the parts that act on them.
 
@@ -120,6 +124,7 @@ class Coordinator:
         self.requests.on_paused = self.passes.paused
         self.requests.on_resumed = self.passes.resumed
         self.requests.on_probation = self.passes.probation
+        self.requests.sat_on = self._sat_on
         self.requests.upload_per_byte = self.uplinks.per_byte
         self.requests.uplinks_too_slow = lambda: self.waiting.reason == "hosts_too_slow"
         self.reports.reported = self.requests.reported
@@ -156,19 +161,20 @@ class Coordinator:
         """Whether the host's last request said its owner uses the machine (`paused`)."""
         return host.id in self.requests.owner_busy
 
-    def _sat_on(self, host_id: int, now: float) -> None:
-        """A host's tile needed a straggler's spare: a missed deadline for its standing (no
-        trust, half the quota), and no new work for a while, longer each time in a row."""
+    def _sat_on(self, host_id: int, now: float, why: str = STRAGGLED) -> None:
+        """A host sat on tiles (a straggler's, or on probation): a missed deadline for its
+        standing (no trust, half the quota), and no new work for a while, longer each time
+        in a row."""
         host = self.ledger.hosts.get(host_id)
         if host is None:
             return
         self.ledger.put_host(trust.after_error(host, self.config.trust))
         seconds = self.requests.cooling.sat_on(host_id, now)
         log.info(
-            "host %d %r sat on a tile: still out a straggler's time after the crowd takes "
-            "for one, it went to another host too, and this one gets no new work for %.0fs",
+            "host %d %r sat on its work (%s): it gets no new work for %.0fs",
             host_id,
             host.name,
+            why,
             seconds,
         )
 

@@ -393,15 +393,16 @@ class Passes:
 
     def probation(self, host_id: int, result_ids: list[str], now: float) -> None:
         """Tiles just given to a host on probation (it sat on a tile and has computed
-        nothing since, rules/cooling.py): each gets a spare replica at once, once another
-        host is at work, so that its product does not wait a straggler's time to learn
-        again what it learnt once. The host is judged for each as for a spared straggler's:
-        still out in its hands a straggler's time from now, it sat on it too. A copy
-        dropped because the spare decided its work unit first is not held against it."""
+        nothing since, rules/cooling.py): each gets a spare replica at once, so that its
+        product does not wait a straggler's time to learn again what it learnt once. The
+        host is judged for each as for a spared straggler's: still out in its hands a
+        straggler's time from now, it sat on it too. A copy dropped because the spare
+        decided its work unit first is not held against it (WorkRequests counts those).
+        With no other host at work there is no one to take a spare: the straggler rule
+        looks at those tiles as at any other's."""
         watch = self.products.crowd
-        if watch is None:
+        if watch is None or not watch.others_working(now, host_id):
             return
-        others = watch.others_working(now, host_id)
         factor = self.config.straggler_factor
         uploads = queued_upload_bytes(self.ledger, host_id) * watch.uplinks.per_byte(host_id)
         for result_id in result_ids:
@@ -412,8 +413,8 @@ class Passes:
             expected = sizing.tile_seconds(*wu.shape, watch.crowd(now))
             lag = max(self.config.straggler_floor, factor * expected) + factor * uploads
             self._judging[result_id] = (host_id, now + lag, 0.0)
-            if not others or wu.accelerated:
-                continue
+            if wu.accelerated:
+                continue  # spared already (a straggler's, the tail's, a paused host's)
             spare = wu.evolve(target_nresults=wu.target_nresults + 1, accelerated=True)
             self.ledger.put_wu(spare)
             self.ledger.touched.add(wu.id)
@@ -485,6 +486,7 @@ class Passes:
         judged_at = (result.sent_time or now) + lag + self.config.straggler_factor * uploads
         if judged_at <= now:
             sitting.add(host_id)
+            self._judging.pop(result.id, None)  # judged now: not again for the same tile
         else:
             self._judging[result.id] = (host_id, judged_at, 0.0)
 

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field, replace
 from coordinator.engine.config import CoordinatorConfig
 from coordinator.engine.waiters import Waiters
 from coordinator.rules import trust
-from coordinator.rules.cooling import Cooling
+from coordinator.rules.cooling import PROBATION_TILES, Cooling
 from coordinator.rules.scheduler import (
     Scheduler,
     given_back,
@@ -135,6 +135,8 @@ class WorkRequests:
         # holds, judged only from the pause's end).
         self.on_paused: Callable[[int, float], None] = lambda host_id, now: None
         self.on_resumed: Callable[[int, float], None] = lambda host_id, now: None
+        # A host sat on tiles (the Coordinator: no trust, and a wait), and why.
+        self.sat_on: Callable[[int, float, str], None] = lambda host_id, now, why: None
         # A host on probation took tiles (engine/passes.py: spares for them at once).
         self.on_probation: Callable[[int, list[str], float], None] = lambda h, r, now: None
         self._inflight: dict[tuple[int, str], asyncio.Future] = {}
@@ -255,6 +257,11 @@ class WorkRequests:
                     }
                 )
             )
+        if self.cooling.used_up(host.id) and not self.ledger.in_progress_of.get(host.id):
+            # Every tile it took on probation is gone from its hands, and it computed none.
+            self.sat_on(
+                host.id, now, f"took {PROBATION_TILES} tiles on probation and computed none"
+            )
         cooling = self.cooling.left(host.id, now)
         if cooling:  # told what to abort, given nothing new (rules/cooling.py)
             request = replace(request, capacity=0, wait=False)
@@ -293,6 +300,7 @@ class WorkRequests:
         if plan.assignments and self.cooling.on_probation(host.id):
             # New ones only: a tile resent (its reply lost) was judged from its first send.
             taken = [a.result.id for a in plan.assignments if a.result.sent_time == now]
+            self.cooling.took(host.id, len(taken))
             self.on_probation(host.id, taken, now)
         # A host that computes (or may hold no more) is not idle: it asks again when its
         # queue runs low, whatever `delay` says.

@@ -7,7 +7,10 @@ long before it gets more, up to COOL_MAX; a result it computed, reported, ends t
 
 Until then the host is on probation: each tile it takes once its wait is over gets a
 spare at once (engine/passes.py, `Passes.probation`), and if that tile is still out in its
-hands a straggler's time later, it sat on it too.
+hands a straggler's time later, it sat on it too. A copy it was told to drop because the
+spare came first is not held against it, one at a time: a host slower than the spares may
+be honest. PROBATION_TILES of them taken and none computed, it sat on them all the same;
+a host that takes tiles and computes none would be spared for ever otherwise.
 """
 
 from __future__ import annotations
@@ -16,21 +19,33 @@ from dataclasses import dataclass, field
 
 COOL_BASE = 2.0  # seconds without new work after the first tile a host sat on
 COOL_MAX = 120.0
+PROBATION_TILES = 3  # tiles a host on probation takes, computing none, before it sat on them
 
 
 @dataclass
 class Cooling:
     streak: dict[int, int] = field(default_factory=dict)  # tiles sat on in a row, by host
     until: dict[int, float] = field(default_factory=dict)  # no new work before (time.time)
+    taken: dict[int, int] = field(default_factory=dict)  # tiles taken on probation, by host
 
     def on_probation(self, host_id: int) -> bool:
         """The host sat on a tile and has computed nothing since."""
         return host_id in self.streak
 
+    def took(self, host_id: int, count: int) -> None:
+        """The host, on probation, took `count` tiles."""
+        self.taken[host_id] = self.taken.get(host_id, 0) + count
+
+    def used_up(self, host_id: int) -> bool:
+        """The host took PROBATION_TILES tiles on probation since it last sat on one, and
+        computed none of them."""
+        return self.taken.get(host_id, 0) >= PROBATION_TILES
+
     def sat_on(self, host_id: int, now: float) -> float:
         """The host sat on a tile: seconds it now gets no new work."""
         streak = self.streak.get(host_id, 0) + 1
         self.streak[host_id] = streak
+        self.taken.pop(host_id, None)  # its tiles on probation counted from its next wait
         seconds = min(COOL_MAX, COOL_BASE * 2 ** (streak - 1))
         self.until[host_id] = now + seconds
         return seconds
@@ -40,6 +55,7 @@ class Cooling:
         if host_id in self.streak:
             del self.streak[host_id]
             self.until.pop(host_id, None)
+            self.taken.pop(host_id, None)
 
     def left(self, host_id: int, now: float) -> float:
         """Seconds before the host gets new work again (0: now)."""
