@@ -262,6 +262,7 @@ class WorkRequests:
             self.sat_on(
                 host.id, now, f"took {PROBATION_TILES} tiles on probation and computed none"
             )
+            host = self.ledger.hosts[host.id]  # its trust and quota as sat_on left them
         cooling = self.cooling.left(host.id, now)
         if cooling:  # told what to abort, given nothing new (rules/cooling.py)
             request = replace(request, capacity=0, wait=False)
