@@ -48,8 +48,10 @@ REPLY_PRUNE_EVERY = 60.0  # seconds between prunes of the stored work replies
 WAIT_CHECK_EVERY = 1.0  # seconds between looks at why work waits
 
 
-# Why a host that needed a straggler's spare sat on its tile, as the log says it.
-STRAGGLED = "a tile still out a straggler's time after the crowd takes for one; spared"
+# Why a host that needed a straggler's spare sat on its tile, as its answers say it.
+STRAGGLED = (
+    "a tile this volunteer held was still out long after the others', and went to another volunteer"
+)
 
 
 class Coordinator:
@@ -169,7 +171,7 @@ class Coordinator:
         if host is None:
             return
         self.ledger.put_host(trust.after_error(host, self.config.trust))
-        seconds = self.requests.cooling.sat_on(host_id, now)
+        seconds = self.requests.cooling.sat_on(host_id, now, why)
         log.info(
             "host %d %r sat on its work (%s): it gets no new work for %.0fs",
             host_id,

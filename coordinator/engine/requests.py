@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import time
 from collections import OrderedDict
 from collections.abc import Callable
@@ -259,9 +260,11 @@ class WorkRequests:
             )
         if self.cooling.used_up(host.id) and not self.ledger.in_progress_of.get(host.id):
             # Every tile it took on probation is gone from its hands, and it computed none.
-            self.sat_on(
-                host.id, now, f"took {PROBATION_TILES} tiles on probation and computed none"
+            why = (
+                f"this volunteer took {PROBATION_TILES} tiles since it last sat on one and "
+                "computed none of them; each went to another volunteer too"
             )
+            self.sat_on(host.id, now, why)
             host = self.ledger.hosts[host.id]  # its trust and quota as sat_on left them
         cooling = self.cooling.left(host.id, now)
         if cooling:  # told what to abort, given nothing new (rules/cooling.py)
@@ -331,10 +334,8 @@ class WorkRequests:
         if cooling:
             delay = max(delay, cooling)
             message["delay"] = delay
-            message["note"] = (
-                f"no new work for {cooling:.0f}s: a tile this volunteer held was still out "
-                "long after the others', and went to another volunteer"
-            )
+            why = self.cooling.why.get(host.id) or "it sat on a tile"
+            message["note"] = f"no new work for {math.ceil(cooling)}s: {why}"
         elif plan.too_big and not assignments:
             message["note"] = (
                 f"{plan.too_big} work unit(s) need more memory than this host offers "

@@ -27,6 +27,7 @@ class Cooling:
     streak: dict[int, int] = field(default_factory=dict)  # tiles sat on in a row, by host
     until: dict[int, float] = field(default_factory=dict)  # no new work before (time.time)
     taken: dict[int, int] = field(default_factory=dict)  # tiles taken on probation, by host
+    why: dict[int, str] = field(default_factory=dict)  # what it last sat on, in words
 
     def on_probation(self, host_id: int) -> bool:
         """The host sat on a tile and has computed nothing since."""
@@ -41,10 +42,12 @@ class Cooling:
         computed none of them."""
         return self.taken.get(host_id, 0) >= PROBATION_TILES
 
-    def sat_on(self, host_id: int, now: float) -> float:
-        """The host sat on a tile: seconds it now gets no new work."""
+    def sat_on(self, host_id: int, now: float, why: str = "") -> float:
+        """The host sat on a tile (`why`, as its answers will say it): seconds it now gets
+        no new work."""
         streak = self.streak.get(host_id, 0) + 1
         self.streak[host_id] = streak
+        self.why[host_id] = why
         self.taken.pop(host_id, None)  # its tiles on probation counted from its next wait
         seconds = min(COOL_MAX, COOL_BASE * 2 ** (streak - 1))
         self.until[host_id] = now + seconds
@@ -56,6 +59,7 @@ class Cooling:
             del self.streak[host_id]
             self.until.pop(host_id, None)
             self.taken.pop(host_id, None)
+            self.why.pop(host_id, None)
 
     def left(self, host_id: int, now: float) -> float:
         """Seconds before the host gets new work again (0: now)."""

@@ -686,6 +686,7 @@ async def test_a_host_on_probation_that_takes_tiles_and_computes_none_sat_on_the
         assert p.errors() == (1, 1)
     reply = await p.ask("then")
     assert reply["assignments"] == [] and "no new work for 4s" in reply["note"]
+    assert "took 3 tiles since it last sat on one and computed none" in reply["note"]
     assert p.errors() == (2, 2)
 
 
