@@ -43,8 +43,10 @@ class Operator:
             return host
         changed = host.evolve(quarantined=quarantined)
         if not quarantined:
-            # A released host starts over: no trust, a small quota, and a clean invalid count.
+            # A released host starts over: no trust, a small quota, and a clean invalid count,
+            # no wait and no probation.
             changed = changed.evolve(invalid_count=0, consecutive_valid=0, max_in_progress=1)
+            self.requests.cooling.forget(host_id)
         self.ledger.put_host(changed)
         state = "quarantined" if quarantined else "released"
         self.ledger.log(

@@ -391,7 +391,7 @@ class Passes:
                 allowed = lag + self.config.straggler_factor * uploads
                 self._judging[result_id] = (host_id, math.inf, allowed)
 
-    def probation(self, host_id: int, result_ids: list[str], now: float) -> None:
+    def probation(self, host_id: int, result_ids: list[str], now: float) -> int:
         """Tiles just given to a host on probation (it sat on a tile and has computed
         nothing since, rules/cooling.py): each gets a spare replica at once, so that its
         product does not wait a straggler's time to learn again what it learnt once. The
@@ -399,10 +399,12 @@ class Passes:
         straggler's time from now, it sat on it too. A copy dropped because the spare
         decided its work unit first is not held against it (WorkRequests counts those).
         With no other host at work there is no one to take a spare: the straggler rule
-        looks at those tiles as at any other's."""
+        looks at those tiles as at any other's. Returns how many tiles were spared (or
+        were already): those count towards its PROBATION_TILES (rules/cooling.py)."""
         watch = self.products.crowd
         if watch is None or not watch.others_working(now, host_id):
-            return
+            return 0
+        spared = 0
         factor = self.config.straggler_factor
         uploads = queued_upload_bytes(self.ledger, host_id) * watch.uplinks.per_byte(host_id)
         for result_id in result_ids:
@@ -413,6 +415,7 @@ class Passes:
             expected = sizing.tile_seconds(*wu.shape, watch.crowd(now))
             lag = max(self.config.straggler_floor, factor * expected) + factor * uploads
             self._judging[result_id] = (host_id, now + lag, 0.0)
+            spared += 1
             if wu.accelerated:
                 continue  # spared already (a straggler's, the tail's, a paused host's)
             spare = wu.evolve(target_nresults=wu.target_nresults + 1, accelerated=True)
@@ -424,6 +427,7 @@ class Passes:
             )
             self.ledger.log([Event.about(wu, now, "accelerated", message)])
         self.wake()
+        return spared
 
     def _spare_stragglers(self, now: float) -> None:
         """A spare replica for each work unit whose replicas have all been out far longer

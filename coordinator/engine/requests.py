@@ -138,8 +138,9 @@ class WorkRequests:
         self.on_resumed: Callable[[int, float], None] = lambda host_id, now: None
         # A host sat on tiles (the Coordinator: no trust, and a wait), and why.
         self.sat_on: Callable[[int, float, str], None] = lambda host_id, now, why: None
-        # A host on probation took tiles (engine/passes.py: spares for them at once).
-        self.on_probation: Callable[[int, list[str], float], None] = lambda h, r, now: None
+        # A host on probation took tiles (engine/passes.py: spares for them at once): how
+        # many were spared, and so count towards its PROBATION_TILES.
+        self.on_probation: Callable[[int, list[str], float], int] = lambda h, r, now: 0
         self._inflight: dict[tuple[int, str], asyncio.Future] = {}
         self.cooling = Cooling()  # hosts that sat on a tile wait before they get more
 
@@ -258,8 +259,11 @@ class WorkRequests:
                     }
                 )
             )
-        if self.cooling.used_up(host.id) and not self.ledger.in_progress_of.get(host.id):
-            # Every tile it took on probation is gone from its hands, and it computed none.
+        # On probation, it took its PROBATION_TILES and computed none: nothing new (not
+        # even by waiting for work), and once none is left in its hands, it sat on them. Not
+        # while its owner uses the machine: that is judged from the pause's end.
+        used_up = self.cooling.used_up(host.id)
+        if used_up and not request.paused and not self.ledger.in_progress_of.get(host.id):
             why = (
                 f"this volunteer took {PROBATION_TILES} tiles since it last sat on one and "
                 "computed none of them; each went to another volunteer too"
@@ -267,7 +271,7 @@ class WorkRequests:
             self.sat_on(host.id, now, why)
             host = self.ledger.hosts[host.id]  # its trust and quota as sat_on left them
         cooling = self.cooling.left(host.id, now)
-        if cooling:  # told what to abort, given nothing new (rules/cooling.py)
+        if cooling or used_up:  # told what to abort, given nothing new (rules/cooling.py)
             request = replace(request, capacity=0, wait=False)
         # Other hosts get their share of a product: one host does not take all of its tiles
         # while the rest idle or finish their last (sized work cut it for all of them).
@@ -304,8 +308,7 @@ class WorkRequests:
         if plan.assignments and self.cooling.on_probation(host.id):
             # New ones only: a tile resent (its reply lost) was judged from its first send.
             taken = [a.result.id for a in plan.assignments if a.result.sent_time == now]
-            self.cooling.took(host.id, len(taken))
-            self.on_probation(host.id, taken, now)
+            self.cooling.took(host.id, self.on_probation(host.id, taken, now))
         # A host that computes (or may hold no more) is not idle: it asks again when its
         # queue runs low, whatever `delay` says.
         if not assignments and not request.in_progress and (plan.room > 0 or request.paused):

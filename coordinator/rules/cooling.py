@@ -53,6 +53,10 @@ class Cooling:
         self.until[host_id] = now + seconds
         return seconds
 
+    def forget(self, host_id: int) -> None:
+        """The host starts over (an operator released it from quarantine)."""
+        self.reported(host_id)
+
     def reported(self, host_id: int) -> None:
         """The host reported a result it computed: whatever it sat on before, it computes."""
         if host_id in self.streak:

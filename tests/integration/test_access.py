@@ -616,7 +616,8 @@ class Probation:
 
 @pytest.fixture
 async def probation(tmp_path, rng):
-    settings = {"tile": 16, "policy": Policy.FREIVALDS, "straggler_floor": 0.3}
+    # A straggler's time of a second: the honest host computes a spare well within it.
+    settings = {"tile": 16, "policy": Policy.FREIVALDS, "straggler_floor": 1.0}
     async with (
         running(tmp_path, **settings) as (co, queue, _url),
         CoordinatorClient(_url) as hoarder,
@@ -656,7 +657,7 @@ async def test_a_host_that_sat_on_a_tile_has_a_spare_beside_each_tile_it_takes_u
     given = await p.hoarder.report([{"result_id": taken["result_id"], "abandoned": True}])
     assert given["accepted"] == [taken["result_id"]]
     await p.finish(product)
-    # The passes run as if seconds had gone by, long past its straggler's time (0.3 s).
+    # The passes run as if seconds had gone by, long past its straggler's time (1 s).
     await co.passes.step(time.time() + 2.0)
     assert p.errors() == (2, 2) and co.requests.cooling.on_probation(p.hoarder_id)
 
@@ -674,20 +675,36 @@ async def test_a_host_that_sat_on_a_tile_has_a_spare_beside_each_tile_it_takes_u
 
 async def test_a_host_on_probation_that_takes_tiles_and_computes_none_sat_on_them(probation):
     """Its copies dropped because the spares came first, a host on probation is judged for
-    none of them alone (it may be honest and slower); having taken PROBATION_TILES and
-    computed none, it sat on them all the same (a second review: a hoarder took 83-85 tiles
-    in 40 s this way and was never cooled again)."""
+    none of them alone (it may be honest and slower); having taken PROBATION_TILES with
+    spares beside them and computed none, it gets nothing new, not even by waiting for work,
+    and once none is left in its hands it sat on them (a second review: a hoarder took
+    83-85 tiles in 40 s this way and was never cooled again; a third: one that long-polled
+    took 10). Not while its owner uses the machine: from the pause's end."""
     from coordinator.rules.cooling import PROBATION_TILES
 
     p = probation
-    for _ in range(PROBATION_TILES):
+    for _ in range(PROBATION_TILES - 1):
         product, _ = await p.takes_a_tile()
         await p.finish(product)
         assert p.errors() == (1, 1)
+    product, taken = await p.takes_a_tile()
+    waiting = p.product()  # work to wait for
+    await wait_until(lambda: p.co.ledger.unsent)
+    held = [taken["result_id"]]
+    reply = await p.hoarder.request_work("lp", capacity=1, wait=True, in_progress=held)
+    assert reply["assignments"] == [] and p.errors() == (1, 1)
+    await p.finish(product)
+    await p.finish(waiting)
+    await p.hoarder.request_work("p1", capacity=0, wait=False, paused=True)
+    assert p.errors() == (1, 1)
     reply = await p.ask("then")
     assert reply["assignments"] == [] and "no new work for 4s" in reply["note"]
     assert "took 3 tiles since it last sat on one and computed none" in reply["note"]
     assert p.errors() == (2, 2)
+    # Quarantined, then released by the operator: it starts over, no wait, no probation.
+    await p.co.operator.set_quarantined(p.hoarder_id, True, time.time())
+    await p.co.operator.set_quarantined(p.hoarder_id, False, time.time())
+    assert not p.cooled() and not p.co.requests.cooling.on_probation(p.hoarder_id)
 
 
 async def test_a_host_pausing_for_its_owner_is_judged_for_what_it_held_once_it_is_back(
@@ -701,7 +718,7 @@ async def test_a_host_pausing_for_its_owner_is_judged_for_what_it_held_once_it_i
     product, taken = await p.takes_a_tile()
     held = [taken["result_id"]]
     await p.hoarder.request_work("p1", capacity=0, wait=False, paused=True, in_progress=held)
-    # The passes run as if seconds had gone by: past its straggler's time (0.3 s), within
+    # The passes run as if seconds had gone by: past its straggler's time (1 s), within
     # its deadline (5 s).
     await co.passes.step(time.time() + 2.0)
     assert p.errors() == (1, 1)  # not judged for the pause
