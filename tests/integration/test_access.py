@@ -634,7 +634,7 @@ async def test_a_host_that_sat_on_a_tile_has_a_spare_beside_each_tile_it_takes_u
     """Once a host has sat on a tile, each tile it takes while it has computed nothing since
     gets a spare at once: its product does not wait a straggler's time again to learn what
     it learnt once (a hoarder cost every product it touched that time: the `hoarding`
-    benchmark read 0.66-0.83 of the steps without it, 0.92-1.08 with this). A tile still in
+    benchmark read 0.60-0.91 of the steps without it, 0.92-1.03 with this). A tile still in
     its hands a straggler's time later was sat on too; one dropped because the spare came
     first is not held against it. Giving tiles back does not end the probation; a result
     it computed does."""
