@@ -378,14 +378,11 @@ class Passes:
                 results = self.ledger.results_for(wu.id)
                 if any(r.server_state is ServerState.UNSENT for r in results):
                     continue  # a replica already waits for another host
-                spare = wu.evolve(target_nresults=wu.target_nresults + 1, accelerated=True)
-                self.ledger.put_wu(spare)
-                self.ledger.touched.add(wu.id)
                 message = (
                     f"host {host_id} holding it is paused while its owner uses the machine "
                     "(--idle-only); spare replica for another host"
                 )
-                self.ledger.log([Event.about(wu, now, "accelerated", message)])
+                self._spare_one(wu, now, message)
                 expected = sizing.tile_seconds(*wu.shape, watch.crowd(now))
                 lag = max(self.config.straggler_floor, self.config.straggler_factor * expected)
                 allowed = lag + self.config.straggler_factor * uploads
@@ -418,16 +415,20 @@ class Passes:
             spared += 1
             if wu.accelerated:
                 continue  # spared already (a straggler's, the tail's, a paused host's)
-            spare = wu.evolve(target_nresults=wu.target_nresults + 1, accelerated=True)
-            self.ledger.put_wu(spare)
-            self.ledger.touched.add(wu.id)
             message = (
                 f"probation: host {host_id} holding it sat on a tile and has computed "
                 "nothing since; spare replica for another host"
             )
-            self.ledger.log([Event.about(wu, now, "accelerated", message)])
+            self._spare_one(wu, now, message)
         self.wake()
         return spared
+
+    def _spare_one(self, wu: WorkUnit, now: float, message: str) -> None:
+        """One replica more of `wu` for another host (the transitioner makes it), once a
+        work unit (`accelerated`), and why in the task log."""
+        self.ledger.put_wu(wu.evolve(target_nresults=wu.target_nresults + 1, accelerated=True))
+        self.ledger.touched.add(wu.id)
+        self.ledger.log([Event.about(wu, now, "accelerated", message)])
 
     def _spare_stragglers(self, now: float) -> None:
         """A spare replica for each work unit whose replicas have all been out far longer
@@ -467,14 +468,11 @@ class Passes:
                 for r in results:
                     if r.server_state is ServerState.IN_PROGRESS and r.host_id is not None:
                         self._judge(r, lag, watch.uplinks.per_byte(r.host_id), now, sitting)
-                spare = wu.evolve(target_nresults=wu.target_nresults + 1, accelerated=True)
-                self.ledger.put_wu(spare)
-                self.ledger.touched.add(wu.id)
                 message = (
                     f"straggler: out {age:.1f}s where a tile takes the crowd about "
                     f"{expected:.2f}s; spare replica for another host"
                 )
-                self.ledger.log([Event.about(wu, now, "accelerated", message)])
+                self._spare_one(wu, now, message)
 
     def _judge(
         self, result: Result, lag: float, per_byte: float, now: float, sitting: set[int]
@@ -528,11 +526,8 @@ class Passes:
                     for r in self.ledger.results_for(wu.id)
                 ):
                     continue
-                spare = wu.evolve(target_nresults=wu.target_nresults + 1, accelerated=True)
-                self.ledger.put_wu(spare)
-                self.ledger.touched.add(wu.id)
                 message = f"tail: {done}/{len(wus)} tiles done; spare replica for a fast host"
-                self.ledger.log([Event.about(wu, now, "accelerated", message)])
+                self._spare_one(wu, now, message)
 
 
 def straggling(results: list[Result], now: float, lag: float) -> float | None:
