@@ -46,11 +46,10 @@ log = logging.getLogger(__name__)
 
 REPLY_PRUNE_EVERY = 60.0  # seconds between prunes of the stored work replies
 WAIT_CHECK_EVERY = 1.0  # seconds between looks at why work waits
-
-
 # Why a host that needed a straggler's spare sat on its tile, as its answers say it.
 STRAGGLED = (
-    "a tile this volunteer held was still out long after the others', and went to another volunteer"
+    "a tile this volunteer held was still out long after the others', and went to "
+    "another volunteer too"
 )
 
 

@@ -394,7 +394,8 @@ class Passes:
         product does not wait a straggler's time to learn again what it learnt once. The
         host is judged for each as for a spared straggler's: still out in its hands a
         straggler's time from now, it sat on it too. A copy dropped because the spare
-        decided its work unit first is not held against it (WorkRequests counts those).
+        decided its work unit first is not held against it, one at a time (WorkRequests
+        counts them: PROBATION_TILES, none computed, are sat on).
         With no other host at work there is no one to take a spare: the straggler rule
         looks at those tiles as at any other's. Returns how many tiles were spared (or
         were already): those count towards its PROBATION_TILES (rules/cooling.py)."""
