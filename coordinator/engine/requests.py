@@ -377,7 +377,7 @@ class WorkRequests:
         forget = stale_panels(
             request.cached, self.ledger.panel_step, self.ledger.oldest_active_step()
         )
-        inline = self._inline(assignments, set(request.cached))
+        inline = self._inline(assignments, set(request.cached), host)
         return Answer(body, inline, forget, len(assignments))
 
     async def _settle(self) -> None:
@@ -389,10 +389,15 @@ class WorkRequests:
             if len(self.ledger.unsent) > seen:
                 return
 
-    def _inline(self, assignments: list[dict], cached: set[str]) -> dict[str, bytes]:
+    def _inline(self, assignments: list[dict], cached: set[str], host: Host) -> dict[str, bytes]:
         """Small operand panels the host lacks, sent inside the answer: each fetch saved is a
         round trip saved per product. Only panels still in memory (just published); never
-        more than INLINE_BYTES in all."""
+        more than INLINE_BYTES in all, nor than the host offers for a work unit (its operand
+        cache holds as much, volunteer/policy.py): the answer arrives whole, and a host
+        with little memory fetches the rest in turn, as its budget allows."""
+        most = INLINE_BYTES
+        if host.max_memory_mb:
+            most = min(most, host.max_memory_mb << 20)
         inline: dict[str, bytes] = {}
         size = 0
         for a in assignments:
@@ -400,7 +405,7 @@ class WorkRequests:
                 if blob in cached or blob in inline:
                     continue
                 data = self.blobs.in_memory(blob)
-                if data is None or size + len(data) > INLINE_BYTES:
+                if data is None or size + len(data) > most:
                     continue
                 inline[blob] = data
                 size += len(data)
