@@ -125,9 +125,13 @@ async def measure(directory: Path, window: float, timeout: float) -> dict:
 
 
 def spares(directory: Path) -> int:
-    """The straggler spares the coordinator gave, from its task log."""
+    """The spares the coordinator gave for tiles sat on, from its task log: a straggler's,
+    and those beside each tile a host on probation takes (rules/cooling.py)."""
     with sqlite3.connect(f"file:{directory / 'state.db'}?mode=ro", uri=True) as db:
-        query = "SELECT COUNT(*) FROM events WHERE message LIKE 'straggler:%'"
+        query = (
+            "SELECT COUNT(*) FROM events "
+            "WHERE message LIKE 'straggler:%' OR message LIKE 'probation:%'"
+        )
         return db.execute(query).fetchone()[0]
 
 
@@ -165,8 +169,8 @@ def run(quick: bool = False) -> list[Row]:
             f"the same, its next {window:g} s (its cooling grown: rules/cooling.py)",
             f"{got['later'] / honest:.2f}",
             note=f"{got['later']} steps; the hoarder took {got['taken']} tiles in both "
-            f"windows and reported none, and the coordinator gave {got['spares']} straggler "
-            f"spares{refused}; {elapsed:.0f}s in all",
+            f"windows and reported none, and the coordinator gave {got['spares']} spares "
+            f"for tiles sat on (a straggler's, or on probation){refused}; {elapsed:.0f}s in all",
         ),
     ]
 

@@ -19,6 +19,7 @@ import time
 from typing import TYPE_CHECKING
 
 from coordinator.engine.progress import eta, host_state
+from coordinator.rules.cooling import PROBATION_TILES
 from coordinator.work.records import (
     GemmState,
     Host,
@@ -267,6 +268,8 @@ def host_condition(co: Coordinator, h: Host, now: float) -> tuple[str, str]:
     cooling = co.requests.cooling.left(h.id, now)
     if cooling > 0:
         return "ok", f"no new work for {math.ceil(cooling)}s: it sat on a tile"
+    if co.requests.cooling.used_up(h.id):
+        return "ok", f"on probation: took {PROBATION_TILES} tiles and computed none; no new work"
     if co.requests.cooling.on_probation(h.id):
         return "ok", "on probation: it sat on a tile; each it takes gets a spare"
     return "ok", "ok"
