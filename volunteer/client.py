@@ -283,6 +283,7 @@ class CoordinatorClient:
         round_trip: float | None = None,
         leaving: bool = False,
         paused: bool = False,
+        max_memory_mb: int | None = None,
     ) -> dict[str, Any]:
         message: dict[str, Any] = {
             "request_id": request_id,
@@ -297,6 +298,8 @@ class CoordinatorClient:
             message["paused"] = True
         if gflops is not None:
             message["gflops"] = gflops
+        if max_memory_mb is not None:
+            message["max_memory_mb"] = max_memory_mb
         if round_trip is not None:
             message["round_trip"] = round_trip
         return checked_answer(await self._post("/v1/work", message))

@@ -324,6 +324,7 @@ class PullLoop(CoordinatorSession):
             "cached": self.cache.ids()[:MAX_CACHED_IDS],
             "in_progress": [r for r in self._in_progress() if r not in riding],
             "gflops": self.gflops,
+            "max_memory_mb": work_budget_mb(self.budget, self.threads),
             "wait": wait_for_work,
         }
         if paused:

@@ -237,6 +237,8 @@ class WorkRequests:
             self._resume(host.id, now, leaving=request.leaving)
         if request.gflops:
             host = host.evolve(gflops=request.gflops)
+        if request.max_memory_mb is not None and request.max_memory_mb != host.max_memory_mb:
+            host = host.evolve(max_memory_mb=request.max_memory_mb)
         self.ledger.put_host(host)
         if request.leaving:
             # Nothing to plan: what it held it gave back before (a resend would be wrong).

@@ -279,6 +279,9 @@ class WorkRequest:
     # The host's owner is using the machine (`--idle-only`): it asks for nothing, and says
     # so now and then, until the machine is idle again (engine/waiting.py says why work waits).
     paused: bool = False
+    # What the host offers for a work unit, as it registered it (None: not said): a volunteer
+    # restarted with another --max-memory keeps its identity, and says so with each ask.
+    max_memory_mb: int | None = None
 
 
 def parse_work_request(message: dict[str, Any]) -> WorkRequest:
@@ -293,6 +296,8 @@ def parse_work_request(message: dict[str, Any]) -> WorkRequest:
     leaving = _get(message, "leaving", bool, False)
     if leaving and capacity:
         raise BadRequest("a host that is leaving asks for no work: field 'capacity' must be 0")
+    memory = message.get("max_memory_mb")
+    max_memory_mb = None if memory is None else _integer(message, "max_memory_mb", 0, 1 << 24)
     paused = _get(message, "paused", bool, False)
     if paused and capacity:
         raise BadRequest("a paused host asks for no work: field 'capacity' must be 0")
@@ -306,6 +311,7 @@ def parse_work_request(message: dict[str, Any]) -> WorkRequest:
         round_trip=None if round_trip is None else float(round_trip),
         leaving=leaving,
         paused=paused,
+        max_memory_mb=max_memory_mb,
     )
 
 

@@ -392,13 +392,15 @@ async def test_small_panels_come_inside_the_work_reply_unless_the_host_has_them(
 async def test_the_panels_inside_a_work_reply_fit_the_memory_the_host_offers(tmp_path, rng):
     """A host with little memory gets no more panels inside one answer than it offers for a
     work unit (up to 64 MB went to any host): the rest it fetches in turn, as its budget
-    allows."""
+    allows. What it offers is what it says now, not what it said when it registered (a
+    volunteer restarted with a lower --max-memory kept its old figure)."""
     async with running(tmp_path, policy=Policy.FREIVALDS, tile=16) as (_co, queue, url):
         a, b = operands(rng, 64, 16, 12_288, False, False)  # 4 tiles, panels of 0.75 MB
         product = asyncio.ensure_future(queue.matmul(a, b))
         async with CoordinatorClient(url) as small:
-            await small.register("small", max_memory_mb=2)
-            reply = await small.request_work("s1", capacity=4)
+            # It offered more when it registered, and has been restarted with less since.
+            await small.register("small", max_memory_mb=500)
+            reply = await small.request_work("s1", capacity=4, max_memory_mb=2)
             panels = {x[side] for x in reply["assignments"] for side in "ab"}
             assert len(reply["assignments"]) >= 2 and len(panels) >= 3  # 2.25 MB or more
             assert sum(len(data) for data in reply["blobs"].values()) <= 2 << 20

@@ -108,6 +108,20 @@ async def test_malformed_and_forged_requests_get_clear_4xx(server):
             ("/v1/work", pack({"request_id": "r", "capacity": 0, "paused": "y"}), auth, 400, "str"),
             (
                 "/v1/work",
+                pack({"request_id": "r", "capacity": 0, "max_memory_mb": -1}),
+                auth,
+                400,
+                "field 'max_memory_mb' must be between 0 and",
+            ),
+            (
+                "/v1/work",
+                pack({"request_id": "r", "capacity": 0, "max_memory_mb": "lots"}),
+                auth,
+                400,
+                "str",
+            ),
+            (
+                "/v1/work",
                 pack({"request_id": "r", "capacity": 1, "cached": ["zz"]}),
                 auth,
                 400,
