@@ -6,6 +6,7 @@ import asyncio
 import contextlib
 import json
 import logging
+import math
 import os
 import select
 import signal
@@ -63,6 +64,18 @@ class Folder(click.Path):
         if isinstance(value, str) and not value.strip():
             self.fail("an empty path (give '.' for the working directory)", param, ctx)
         return super().convert(value, param, ctx)
+
+
+class Number(click.FloatRange):
+    """A finite number in a range. click's FloatRange takes "nan" (it fails no comparison
+    with a bound) and "inf": a backoff of NaN seconds was no wait at all, a stop timeout of
+    NaN killed at once."""
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None):
+        number = super().convert(value, param, ctx)
+        if not math.isfinite(number):
+            self.fail(f"{value!r} is not a finite number", param, ctx)
+        return number
 
 
 state_dir_option = option(
@@ -146,7 +159,7 @@ def volunteer() -> None:
 @option("--invite", default=None, help="The project's invite code, if it needs one.")
 @option(
     "--max-backoff",
-    type=click.FloatRange(min=0.1),
+    type=Number(min=0.1),
     default=60.0,
     show_default=True,
     help="Longest wait in seconds between retries when the coordinator is unreachable.",
@@ -391,7 +404,7 @@ def install_service(
 @state_dir_option
 @option(
     "--timeout",
-    type=click.FloatRange(min=0),
+    type=Number(min=0),
     default=30.0,
     show_default=True,
     help="Seconds to wait for a graceful stop before killing.",
@@ -489,11 +502,11 @@ def status(state_dir: Path, as_json: bool) -> None:
     show_default=True,
     help="phones, laptops, mixed, or a profile file (docs/emulator.md).",
 )
-@option("--duration", type=click.FloatRange(min=0.1), default=None, help="Seconds to run.")
+@option("--duration", type=Number(min=0.1), default=None, help="Seconds to run.")
 @option("--until-done", is_flag=True, help="Stop when the coordinator's training is done.")
 @option(
     "--ramp",
-    type=click.FloatRange(min=0),
+    type=Number(min=0),
     default=None,
     show_default="1 s per 500 hosts",
     help="Seconds over which hosts start.",
@@ -507,7 +520,7 @@ def status(state_dir: Path, as_json: bool) -> None:
 )
 @option(
     "--real-mflops",
-    type=click.FloatRange(min=0),
+    type=Number(min=0),
     default=DEFAULT_REAL_FLOPS / 1e6,
     show_default=True,
     help="Tiles up to this size are computed by each host; larger ones once per work unit.",
@@ -518,7 +531,7 @@ def status(state_dir: Path, as_json: bool) -> None:
 @option("--invite", default=None, help="The project's invite code, if it needs one.")
 @option(
     "--interval",
-    type=click.FloatRange(min=0),
+    type=Number(min=0),
     default=10.0,
     show_default=True,
     help="Seconds between progress lines (0: none).",

@@ -25,7 +25,7 @@ from coordinator.training.project import load as load_project
 from coordinator.work.records import ValidateState, WuState, short_workunit_id
 from kernels import processes, reference
 from kernels.malloc import keep_freed_memory
-from volunteer.cli import Folder, emulate, log_format_option, option, volunteer
+from volunteer.cli import Folder, Number, emulate, log_format_option, option, volunteer
 from volunteer.logsetup import configure as configure_logging
 
 
@@ -318,7 +318,7 @@ def local_plan(done: int, until: int | None, steps: int) -> str:
 @click.argument("directory", type=Folder())
 @option("--prompt", default="def ", show_default=True)
 @option("--length", type=click.IntRange(min=1, max=100_000), default=200, show_default=True)
-@option("--temperature", type=click.FloatRange(min=0), default=0.8, show_default=True)
+@option("--temperature", type=Number(min=0), default=0.8, show_default=True)
 @option("--seed", type=click.IntRange(min=0), default=0, show_default=True)
 @_fail_on_project_error
 def sample(directory: Path, prompt: str, length: int, temperature: float, seed: int) -> None:

@@ -166,6 +166,25 @@ def test_an_empty_path_is_refused_not_taken_for_the_working_directory(tmp_path, 
     assert list(tmp_path.iterdir()) == []  # nothing written where the command ran
 
 
+@pytest.mark.parametrize(
+    "command",
+    [
+        # NaN seconds of backoff retried about 4,000 times a second; a NaN stop timeout
+        # killed the volunteer at once; a NaN temperature was a traceback.
+        ("volunteer", "start", "http://127.0.0.1:9", "--max-backoff", "nan"),
+        ("volunteer", "stop", "--timeout", "nan", "--state-dir", "{tmp}/v"),
+        ("volunteer", "stop", "--timeout", "inf", "--state-dir", "{tmp}/v"),
+        ("sample", "{tmp}/p", "--temperature", "nan"),
+        ("emulate", "http://127.0.0.1:9", "--duration", "inf"),
+    ],
+)
+def test_a_number_that_is_not_finite_is_refused(tmp_path, command):
+    said = tilehive(*(part.format(tmp=tmp_path) for part in command), cwd=tmp_path)
+    assert said.returncode == 2 and "is not a finite number" in said.stderr, said.stderr
+    assert "Traceback" not in said.stderr
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_a_volunteer_refuses_a_state_directory_that_takes_no_files(tmp_path):
     blocker = tmp_path / "a-file"
     blocker.write_text("")
