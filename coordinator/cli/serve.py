@@ -203,9 +203,7 @@ async def _train(
     loop = asyncio.get_running_loop()
 
     def on_step(report: StepReport) -> None:
-        coordinator.progress.record_step(
-            report.step, steps, report.loss, report.val_loss, report.seconds
-        )
+        coordinator.progress.record_step(report.record(), steps)
         val = f" val_loss {report.val_loss:.4f}" if report.val_loss is not None else ""
         log.info(
             "step %d/%d loss %.4f%s (%.2fs)", report.step, steps, report.loss, val, report.seconds

@@ -80,16 +80,14 @@ class Progress:
             self.metrics.loss.set(self.training["loss"])
         self.metrics.step.set(self.training["step"])
 
-    def record_step(self, step: int, steps: int, loss: float, val_loss, seconds: float) -> None:
-        """What the training loop reports after each step (status, dashboard, metrics)."""
-        record = {"step": step, "loss": loss, "seconds": seconds, "time": time.time()}
-        if val_loss is not None:
-            record["val_loss"] = val_loss
+    def record_step(self, record: dict, steps: int) -> None:
+        """What the training loop reports after each step, the line it writes to train.jsonl
+        (StepReport.record), for status, the dashboard and metrics."""
         self.history.append(record)
         self.training = history.progress(self.history, steps)
-        self.metrics.loss.set(loss)
-        self.metrics.step.set(step)
-        self.metrics.steps.observe(seconds)
+        self.metrics.loss.set(record["loss"])
+        self.metrics.step.set(record["step"])
+        self.metrics.steps.observe(record["seconds"])
 
     def sample_rate(self, now: float) -> None:
         """One (time, tiles in) sample a second at most, for tiles_per_second."""

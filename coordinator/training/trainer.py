@@ -75,6 +75,22 @@ class StepReport:
     cpu_seconds: float = 0.0
     val_loss: float | None = None
 
+    def record(self) -> dict:
+        """The step as train.jsonl keeps it, and as status and the dashboard show it: the
+        same fields from the file after a restart as from the running coordinator."""
+        line = {
+            "step": self.step,
+            "loss": self.loss,
+            "lr": self.lr,
+            "grad_norm": self.grad_norm,
+            "seconds": round(self.seconds, 4),
+            "cpu_seconds": round(self.cpu_seconds, 4),
+            "time": time.time(),
+        }
+        if self.val_loss is not None:
+            line["val_loss"] = self.val_loss
+        return line
+
 
 class Trainer:
     def __init__(self, project: Project, backend, corpus: Corpus | None = None) -> None:
@@ -227,16 +243,5 @@ class Trainer:
             on_step(report)
 
     def _record(self, r: StepReport) -> None:
-        line = {
-            "step": r.step,
-            "loss": r.loss,
-            "lr": r.lr,
-            "grad_norm": r.grad_norm,
-            "seconds": round(r.seconds, 4),
-            "cpu_seconds": round(r.cpu_seconds, 4),
-            "time": time.time(),
-        }
-        if r.val_loss is not None:
-            line["val_loss"] = r.val_loss
         with Path(self.metrics).open("a") as f:
-            f.write(json.dumps(line) + "\n")
+            f.write(json.dumps(r.record()) + "\n")

@@ -143,8 +143,8 @@ async def test_metrics_parse_and_move_during_a_run(worked):
 @pytest.mark.skipif(shutil.which("chromium") is None, reason="Debian's chromium not installed")
 async def test_the_dashboard_renders_in_a_real_browser(worked, tmp_path):
     co, url, _, _, _ = worked
-    co.progress.record_step(1, 3, 5.5, None, 0.5)
-    co.progress.record_step(2, 3, 4.9, 4.8, 0.4)
+    co.progress.record_step({"step": 1, "loss": 5.5, "seconds": 0.5, "cpu_seconds": 0.4}, 3)
+    co.progress.record_step({"step": 2, "loss": 4.9, "val_loss": 4.8, "seconds": 0.4}, 3)
     ARTIFACTS.mkdir(exist_ok=True)
     shot = ARTIFACTS / "dashboard.png"
     common = [

@@ -179,6 +179,25 @@ def test_one_volunteer_is_told_why_work_waits_and_a_finished_project_tells_them(
     assert "hosts: 0 active, 2 idle" in done  # told the project is finished, they stopped
 
 
+def test_status_from_the_running_coordinator_and_from_the_files_agree(tmp_path, reaper):
+    """The coordinator that trained the steps (not one restarted, which reads train.jsonl)
+    shows the last step's CPU too, as `status DIR` does."""
+    project = tmp_path / "project"
+    projects.create(project, **{**SMALL, "training.steps": 2, "work.policy": "freivalds"})
+    log = tmp_path / "coordinator.log"
+    coordinator = reaper(start_coordinator(project, "127.0.0.1:0", log, "--keep-serving"))
+    url = first_url(coordinator)
+    reaper(start_volunteer(url, tmp_path / "v0"))
+    poll(lambda: status_of(url)["training"]["done"], timeout=300, what="training to finish")
+    from_url = status_of(url)["training"]
+    from_dir = json.loads(tilehive("status", str(project), "--json").stdout)["training"]
+    for key in ("step", "loss", "val_loss", "seconds", "cpu_seconds", "done"):
+        assert from_url.get(key) == from_dir.get(key), key
+    assert from_url["cpu_seconds"] > 0
+    said = tilehive("status", url).stdout
+    assert re.search(r"last step: \d+\.\d{3} s, \d+\.\d{3} s of the training process.s CPU", said)
+
+
 @pytest.mark.parametrize("stop_signal", [signal.SIGINT, signal.SIGHUP], ids=["ctrl-c", "hangup"])
 def test_a_volunteer_that_stops_is_not_waited_for(tmp_path, reaper, stop_signal):
     """Under quorum, the second of two volunteers stopping leaves the first with nobody to
