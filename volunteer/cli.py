@@ -9,6 +9,7 @@ import logging
 import math
 import os
 import select
+import shutil
 import signal
 import socket
 import sys
@@ -39,6 +40,7 @@ from volunteer.state import AlreadyRunning, StateDir, default_state_dir
 ENV_PREFIX = "TILEHIVE_"
 STARTUP_TIMEOUT = 60.0
 MAX_NAME = 64  # what the coordinator accepts (docs/protocol.md: register)
+LIVE_WIDTH = 110  # columns of the live status line where the terminal's are unknown
 
 log = logging.getLogger("volunteer")
 
@@ -215,7 +217,8 @@ def start(
         report = _daemonize(state, log_format)
         _run(config, state, report)
     else:
-        configure_logging(log_format)
+        # A log line in a terminal first clears the status line redrawn there each second.
+        configure_logging(log_format, clear_line=sys.stdout.isatty() and sys.stderr.isatty())
         _run(config, state, None)
 
 
@@ -333,14 +336,29 @@ async def _report_status(
             if str(exc) != unwritten:
                 log.warning("cannot write %s: %s", state.status_file, exc)
                 unwritten = str(exc)
-        line = status_line(status)
         if live:
-            click.echo("\r" + line.ljust(110)[:110], nl=False)
+            width = shutil.get_terminal_size((LIVE_WIDTH, 24)).columns
+            click.echo("\r" + live_line(status, width), nl=False)
         elif time.monotonic() - last_line > 30:
-            log.info(line)
+            log.info(status_line(status))
             last_line = time.monotonic()
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(stop.wait(), timeout=1.0)
+
+
+def live_line(s: dict[str, Any], width: int) -> str:
+    """The status line redrawn in a terminal `width` columns wide: the whole of it if it
+    fits, else the state, tiles and speed with the note after them, which says why the
+    volunteer waits: the counters alone fill about 105 columns, and a line cut at the
+    terminal's edge hid the note every time."""
+    width = max(20, width) - 1  # a character written in the last column wraps on some
+    line = status_line(s)
+    if len(line) > width:
+        note = f" | {s['note']}" if s.get("note") else ""
+        line = f"{s['state']}: {s['tiles']} tiles, {s['gflops']:.1f} GFLOPS{note}"
+        if len(line) > width:
+            line = line[: width - 3] + "..."
+    return line.ljust(width)
 
 
 def status_line(s: dict[str, Any]) -> str:

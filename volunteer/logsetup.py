@@ -47,12 +47,34 @@ class TextFormatter(logging.Formatter):
         return super().formatMessage(record)
 
 
-def configure(log_format: str = "text", level: int = logging.INFO) -> None:
+class LineClearing(logging.Formatter):
+    """Another formatter's lines, each first clearing the terminal's line: a volunteer in
+    the foreground redraws its status line there (no newline after it), and a log line
+    written over it would start in the middle of it."""
+
+    def __init__(self, inner: logging.Formatter) -> None:
+        super().__init__()
+        self.inner = inner
+
+    def format(self, record: logging.LogRecord) -> str:
+        return "\r\x1b[K" + self.inner.format(record)
+
+
+def configure(
+    log_format: str = "text", level: int = logging.INFO, clear_line: bool = False
+) -> None:
+    """Log lines on stderr, as text or JSON; `clear_line`: each clears the terminal's line
+    first (a status line is redrawn on it)."""
     handler = logging.StreamHandler()
+    formatter: logging.Formatter
     if log_format == "json":
-        handler.setFormatter(JsonFormatter())
+        formatter = JsonFormatter()
     else:
-        handler.setFormatter(TextFormatter("%(asctime)s %(levelname)s %(message)s"))
+        formatter = TextFormatter("%(asctime)s %(levelname)s %(message)s")
+    # Not in JSON: its lines are for machines, which read no terminal's escapes.
+    handler.setFormatter(
+        LineClearing(formatter) if clear_line and log_format == "text" else formatter
+    )
     root = logging.getLogger()
     root.handlers[:] = [handler]
     root.setLevel(level)

@@ -179,6 +179,41 @@ def test_one_volunteer_is_told_why_work_waits_and_a_finished_project_tells_them(
     assert "hosts: 0 active, 2 idle" in done  # told the project is finished, they stopped
 
 
+def test_a_volunteer_in_a_terminal_shows_why_it_waits_on_its_status_line(tmp_path, reaper):
+    """The live line is cut to the terminal's width after the note, not before it, and a log
+    line first clears it rather than starting in the middle of it."""
+    project = tmp_path / "project"
+    projects.create(project, **{**SMALL, "training.steps": 2, "work.tile": 16})
+    coordinator = reaper(start_coordinator(project, "127.0.0.1:0", tmp_path / "c.log"))
+    url = first_url(coordinator)
+    controller, terminal = pty.openpty()  # 0 columns: the line's default width, 110
+    command = ["volunteer", "start", url, "--state-dir", str(tmp_path / "v0"), "--threads", "1"]
+    volunteer = reaper(
+        subprocess.Popen(
+            [sys.executable, "-m", "coordinator.cli", *command],
+            stdin=subprocess.DEVNULL,
+            stdout=terminal,
+            stderr=terminal,
+            cwd=ROOT,
+            env={k: v for k, v in ENV.items() if k not in ("COLUMNS", "LINES")},
+        )
+    )
+    os.close(terminal)
+    seen = b""
+    deadline = time.monotonic() + 120
+    while b"| work waits for another volunteer" not in seen:
+        assert time.monotonic() < deadline and volunteer.poll() is None, seen[-2000:]
+        with contextlib.suppress(OSError):
+            seen += os.read(controller, 65536)
+    os.close(controller)
+    parts = seen.split(b"\r")  # each redraw, and each log line, starts after a carriage return
+    redraws = [part for part in parts if b"GFLOPS" in part and b"INFO" not in part]
+    assert any(b"| work waits for another volunteer" in line for line in redraws)
+    assert all(len(line) <= 109 for line in redraws)
+    logged = [part for part in parts if b" INFO " in part]
+    assert logged and all(part.startswith(b"\x1b[K") for part in logged), logged
+
+
 def test_status_from_the_running_coordinator_and_from_the_files_agree(tmp_path, reaper):
     """The coordinator that trained the steps (not one restarted, which reads train.jsonl)
     shows the last step's CPU too, as `status DIR` does."""
