@@ -261,7 +261,7 @@ def _run(config: VolunteerConfig, state: StateDir, report: int | None) -> None:
         if report is None:
             raise click.ClickException(message)
         log.error(message)
-        os.write(report, f"error: {message}".encode())
+        os.write(report, f"Error: {message}".encode())  # as click says it in the foreground
         raise SystemExit(1)
 
     try:

@@ -114,17 +114,29 @@ class Volunteer(PullLoop):
         if self.config.low_priority:
             with contextlib.suppress(OSError):
                 os.nice(19)
+        cores = os.cpu_count() or 1
+        if self.config.threads > cores:
+            log.warning(
+                "--threads %d is more than this machine's %d cores: the kernel's threads "
+                "take turns on them, and a tile is no faster than with %d",
+                self.config.threads,
+                cores,
+                cores,
+            )
         self.gflops = measure_gflops(self.config.threads)
         footprint = current_rss_mb()
         spare = self.config.max_memory_mb - footprint - GROWTH / MB
         minimum = self.config.threads * WORKSPACE_PER_THREAD / MB + 8
         if spare < minimum:
             needed = footprint + GROWTH / MB + minimum
+            threads = self.config.threads
             raise NotEnoughMemory(
                 f"--max-memory {self.config.max_memory_mb} MB is too small: this process "
                 f"already uses {footprint:.0f} MB, grows by about {GROWTH / MB:.0f} MB as "
-                f"it works and needs at least {minimum:.0f} MB more for work; use "
-                f"--max-memory {int(needed) + 1} or more"
+                f"it works and needs at least {minimum:.0f} MB more for work (the kernel's "
+                f"workspace of {WORKSPACE_PER_THREAD / MB:.0f} MB for each of its {threads} "
+                f"thread{'s' if threads > 1 else ''}); use --max-memory {int(needed) + 1} "
+                "or more" + (", or fewer --threads" if threads > 1 else "")
             )
         self.budget = int(spare * MB)
         # Half for cached operands, half for the tile being computed and those reported.

@@ -185,6 +185,14 @@ def test_a_number_that_is_not_finite_is_refused(tmp_path, command):
     assert list(tmp_path.iterdir()) == []
 
 
+@pytest.mark.parametrize("daemon", [(), ("--daemon",)], ids=["foreground", "daemon"])
+def test_more_threads_than_memory_for_them_names_the_threads(tmp_path, daemon):
+    command = ("volunteer", "start", "http://127.0.0.1:9", "--threads", "4096", *daemon)
+    said = said_once(tilehive(*command, "--state-dir", str(tmp_path / "v")))
+    assert "--max-memory 200 MB is too small" in said and "for each of its 4096 threads" in said
+    assert said.endswith("or fewer --threads")
+
+
 def test_a_volunteer_refuses_a_state_directory_that_takes_no_files(tmp_path):
     blocker = tmp_path / "a-file"
     blocker.write_text("")
