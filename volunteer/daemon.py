@@ -142,10 +142,11 @@ class Volunteer(PullLoop):
         # Half for cached operands, half for the tile being computed and those reported.
         self.cache = BlobCache(self.budget // 2)
         log.info(
-            "kernel %s: %.1f GFLOPS on %d threads; memory budget %.0f MB of %d MB",
+            "kernel %s: %.1f GFLOPS on %d thread%s; memory budget %.0f MB of %d MB",
             kernels.kernel_name(),
             self.gflops,
             self.config.threads,
+            "s" if self.config.threads > 1 else "",
             self.budget / MB,
             self.config.max_memory_mb,
             extra={"gflops": self.gflops},

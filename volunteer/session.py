@@ -14,6 +14,7 @@ import asyncio
 import contextlib
 import logging
 import math
+import os
 import time
 from collections.abc import Awaitable, Callable
 from typing import TypeVar
@@ -157,7 +158,7 @@ class CoordinatorSession:
                     if isinstance(exc, (aiohttp.ClientPayloadError, ValueError))
                     else "cannot reach coordinator"
                 )
-                self.note = f"{what} ({type(exc).__name__}); retry in {delay:.1f}s"
+                self.note = f"{what} ({failure(exc)}); retry in {delay:.1f}s"
                 self.log.warning(self.note)
                 await wait(stop, delay)
 
@@ -216,6 +217,21 @@ class CoordinatorSession:
             self.note = f"a reply not in the coordinator's words ({exc.status}): {exc.message}"
         self.log.warning("%s; retry in %.1fs", self.note, delay)
         await wait(stop, delay)
+
+
+def failure(exc: BaseException) -> str:
+    """A failed call in words: which address and what the system said, where it said
+    something (a name not found, a connection refused), not the exception's class alone."""
+    kind = type(exc).__name__
+    if isinstance(exc, aiohttp.ClientConnectorError):
+        error = exc.os_error
+        # asyncio words a refused connection "Connect call failed (address)"; its errno
+        # says it plainly (a name's lookup has negative codes of its own, and words).
+        plain = error.errno is not None and error.errno > 0
+        said = os.strerror(error.errno) if plain else error.strerror or str(error)
+        return f"{kind}: {exc.host}:{exc.port}: {said}" if said else kind
+    said = str(exc)
+    return f"{kind}: {said}" if said and len(said) <= 200 else kind
 
 
 async def wait(stop: asyncio.Event, seconds: float) -> bool:

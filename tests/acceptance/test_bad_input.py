@@ -262,6 +262,26 @@ def test_a_daemon_at_another_web_server_ends_and_says_why(tmp_path, html):
     assert log.count(NOT_TILEHIVE) == 1 and "Traceback" not in log
 
 
+def test_a_coordinator_out_of_reach_is_said_with_its_address_and_the_reason(tmp_path, reaper):
+    """Retried, as a coordinator not up yet is; the note says where and why, not only the
+    exception's class (a typo in the address looked like any other failure)."""
+    with socket.create_server(("127.0.0.1", 0)) as closed:
+        port = closed.getsockname()[1]  # closed below: nothing listens there
+    volunteer = reaper(start_volunteer(f"http://127.0.0.1:{port}", tmp_path / "vol"))
+    try:
+        poll(
+            lambda: (
+                f"127.0.0.1:{port}: Connection refused"
+                in volunteer_status(tmp_path / "vol").get("note", "")
+            ),
+            what="the note to name the address and the refusal",
+        )
+        assert volunteer.poll() is None  # retried, not given up
+    finally:
+        assert stop(volunteer) == 0
+    assert f"127.0.0.1:{port}: Connection refused" in (tmp_path / "vol" / "out").read_text()
+
+
 def test_a_server_that_drops_connections_is_retried_not_abandoned(tmp_path, reaper):
     """Resets are what a coordinator that is restarting does: back off, do not give up."""
     listener = socket.create_server(("127.0.0.1", 0))
