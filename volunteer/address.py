@@ -21,6 +21,10 @@ class NotACoordinator(Exception):
 def check_url(url: str) -> str:
     """`url` without a trailing slash; ValueError (one line) unless it is an http(s) URL
     with a host and a port in 1-65535, if it names one."""
+    if not url.isprintable() or any(c.isspace() for c in url):
+        # urlsplit drops tabs and newlines before it parses: the URL it checked would not
+        # be the one used.
+        raise ValueError(f"{url!r} holds a space or a control character: {EXAMPLE}")
     try:
         parts = urlsplit(url)
         port = parts.port

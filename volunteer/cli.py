@@ -399,7 +399,11 @@ def install_service(
     at this installation's tilehive; Nice=19, CPU and I/O scheduling idle, MemoryMax."""
     from volunteer.service import unit, user_unit_path
 
-    text = unit(url, state_dir, threads, max_memory)
+    try:
+        # What `volunteer start` would refuse, the unit would restart every 30 s for ever.
+        text = unit(check_url(url), state_dir, threads, max_memory)
+    except ValueError as exc:
+        raise click.ClickException(str(exc)) from None
     if print_only:
         click.echo(text, nl=False)
         return

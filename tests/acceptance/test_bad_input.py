@@ -136,6 +136,8 @@ BAD_URLS = [
     ("http://127.0.0.1:0", "has port 0"),
     ("ftp://x", "not an http:// or https:// URL"),
     ("localhost:8470", "not an http:// or https:// URL"),
+    # urlsplit drops a newline before it parses: the URL checked was not the one used.
+    ("http://127.0.0.1:8470/\nExecStartPre=/bin/true", "a space or a control character"),
 ]
 
 

@@ -56,3 +56,27 @@ def test_print_shows_the_unit_and_writes_nothing(tmp_path):
     assert done.returncode == 0
     assert "[Service]" in done.stdout and "ExecStart=" in done.stdout
     assert not (tmp_path / "s").exists()
+
+
+def systemd_words(line: str) -> list[str]:
+    """A unit's command line as systemd reads it: quotes and backslashes as a shell's
+    double quotes have them, then `%%` and `$$` as a single `%` and `$`."""
+    return [word.replace("%%", "%").replace("$$", "$") for word in shlex.split(line)]
+
+
+def test_the_unit_holds_odd_values_as_written_and_refuses_what_it_cannot(tmp_path):
+    url = 'http://coordinator.example:8470/a%cb$HOME"q'
+    state = tmp_path / "state dir %c $USER \\ end"
+    done = tilehive(
+        "volunteer", "install-service", url, "--print", "--state-dir", str(state), "--threads", "1"
+    )
+    assert done.returncode == 0, done.stderr
+    lines = dict(line.split("=", 1) for line in done.stdout.splitlines() if "=" in line)
+    command = systemd_words(lines["ExecStart"])
+    assert command[command.index("start") + 1] == url
+    assert command[command.index("--state-dir") + 1] == str(state.resolve())
+    assert lines["Description"].endswith('a%%cb$HOME"q')  # no specifier expanded there
+    for bad in ("localhost:1", "http://x:1/\nExecStartPre=/bin/touch /tmp/pwned"):
+        refused = tilehive("volunteer", "install-service", bad, "--print")
+        assert refused.returncode == 1 and refused.stdout == "", refused.stdout
+        assert refused.stderr.startswith("Error: ") and len(refused.stderr.splitlines()) == 1
