@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import io
 import re
+import zipfile
+from collections.abc import Mapping
 from pathlib import Path
 
 import numpy as np
@@ -12,6 +14,12 @@ import numpy as np
 from coordinator.state.blobs import write_atomic
 from coordinator.training.model import Params
 from coordinator.training.optimizer import AdamState
+from coordinator.training.project import ProjectError
+
+
+class CheckpointError(ProjectError):
+    """A checkpoint that cannot be read, or that does not fit the model in project.toml."""
+
 
 NAME = re.compile(r"step-(\d{6})\.npz")
 
@@ -43,14 +51,52 @@ def latest(directory: Path) -> int | None:
     return max(steps, default=None)
 
 
-def load(directory: Path, step: int, names: list[str]) -> tuple[Params, AdamState]:
+def load(
+    directory: Path, step: int, shapes: Mapping[str, tuple[int, ...]]
+) -> tuple[Params, AdamState]:
+    """The parameters and optimizer state of `step`, each array of the shape the model has
+    (`shapes`, model.param_shapes). CheckpointError for a damaged file, or one written for
+    another model (its settings changed in project.toml since); OSError for a missing one."""
     target = path(directory, step)
-    with np.load(target) as data:
-        params = {name: data[name] for name in names}
-    with np.load(target.with_suffix(".opt.npz")) as data:
+    optimizer = target.with_suffix(".opt.npz")
+    with _opened(target) as data:
+        params = {name: _array(data, target, name, shape) for name, shape in shapes.items()}
+    with _opened(optimizer) as data:
+        count = _array(data, optimizer, "step", ())
         state = AdamState(
-            int(data["step"]),
-            {name: data[f"m.{name}"] for name in names},
-            {name: data[f"v.{name}"] for name in names},
+            int(count),
+            {name: _array(data, optimizer, f"m.{name}", shape) for name, shape in shapes.items()},
+            {name: _array(data, optimizer, f"v.{name}", shape) for name, shape in shapes.items()},
         )
     return params, state
+
+
+def _opened(file: Path):
+    try:
+        return np.load(file)
+    except (zipfile.BadZipFile, ValueError, EOFError) as exc:  # not an .npz: cut off, damaged
+        raise CheckpointError(
+            f"{file} is damaged ({exc}): move it and its other half (.npz, .opt.npz) aside, "
+            "and training resumes from the checkpoint before it"
+        ) from None
+
+
+def _array(data, file: Path, key: str, shape: tuple[int, ...]) -> np.ndarray:
+    """data[key], of `shape`; CheckpointError if it is missing, unreadable or shaped for
+    another model."""
+    try:
+        array = data[key]
+    except KeyError:
+        raise CheckpointError(
+            f"{file} holds no {key!r}: it was written for another model than project.toml's "
+            "(restore the model's settings, or start a new project with tilehive init)"
+        ) from None
+    except (zipfile.BadZipFile, ValueError, EOFError, OSError) as exc:
+        raise CheckpointError(f"{file} is damaged ({exc}): its {key!r} cannot be read") from None
+    if array.shape != shape:
+        raise CheckpointError(
+            f"{file}: {key!r} is {array.shape}, the model in project.toml has {shape}: the "
+            "model's settings changed after this checkpoint was written (restore them, or "
+            "start a new project with tilehive init)"
+        )
+    return array

@@ -26,7 +26,7 @@ def generate(project: Project, prompt: str, length: int, temperature: float, see
     step = checkpoints.latest(project.checkpoints)
     if step is None:
         raise ProjectError(f"no checkpoint in {project.checkpoints} yet: train first")
-    params, _ = checkpoints.load(project.checkpoints, step, list(param_shapes(project.model)))
+    params, _ = checkpoints.load(project.checkpoints, step, param_shapes(project.model))
     model = TinyGPT(project.model, LocalBackend())
     context = project.model.context
     tokens = list(prompt.encode()) or [10]

@@ -22,7 +22,7 @@ from coordinator.state.blobs import sweep_temporary
 from coordinator.training import checkpoints
 from coordinator.training.corpus import Corpus
 from coordinator.training.corpus import load as load_corpus
-from coordinator.training.model import Params, TinyGPT, init_params
+from coordinator.training.model import Params, TinyGPT, init_params, param_shapes
 from coordinator.training.optimizer import AdamState, adamw_step, learning_rate
 from coordinator.training.project import Project
 from kernels import nn
@@ -113,14 +113,15 @@ class Trainer:
 
     def resume(self) -> tuple[int, Params, AdamState]:
         """The last checkpoint, or fresh weights at step 0."""
-        names = list(init_params(self.project.model, self.project.training.seed))
         if self.project.checkpoints.is_dir() and sweep_temporary(self.project.checkpoints):
             log.info("removed the temporary files of a checkpoint a stop interrupted")
         done = checkpoints.latest(self.project.checkpoints)
         if done is None:
             params = init_params(self.project.model, self.project.training.seed)
             return 0, params, AdamState.zeros(params)
-        params, state = checkpoints.load(self.project.checkpoints, done, names)
+        params, state = checkpoints.load(
+            self.project.checkpoints, done, param_shapes(self.project.model)
+        )
         return done, params, state
 
     async def evaluate(self, params: Params, step: int) -> float:

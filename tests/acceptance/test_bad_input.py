@@ -414,3 +414,43 @@ def test_status_json_of_a_non_tilehive_json_is_refused_too():
     for url in serve(page(200, "application/json", json.dumps([1, 2]).encode())):
         line = one_line_error(tilehive("status", url, "--json"))
         assert NOT_TILEHIVE in line
+
+
+# ---- a project's own files, damaged or out of step with project.toml -----------------------
+
+
+@pytest.fixture
+def trained(tmp_path):
+    """A small project trained two steps by `train --local`."""
+    from coordinator.training import project as projects
+    from tests.factories import SMALL
+
+    project = tmp_path / "p"
+    projects.create(project, **{**SMALL, "training.steps": 2})
+    assert tilehive("train", str(project), "--local", timeout=300).returncode == 0
+    return project
+
+
+def test_a_damaged_checkpoint_is_one_line_that_says_what_to_do(trained, tmp_path):
+    checkpoint = trained / "checkpoints" / "step-000002.npz"
+    with checkpoint.open("r+b") as cut:
+        cut.truncate(1000)
+    for command in (
+        ("train", str(trained), "--local", "--steps", "3"),
+        ("sample", str(trained)),
+        ("coordinator", str(trained), "--bind", "127.0.0.1:0"),
+    ):
+        said = said_once(tilehive(*command, timeout=120))
+        assert f"{checkpoint} is damaged" in said and "move it and its other half" in said, said
+
+
+@pytest.mark.parametrize(("setting", "value"), [("width", "64"), ("layers", "2")])
+def test_a_checkpoint_of_another_model_is_one_line(trained, setting, value):
+    settings = trained / "project.toml"
+    text = settings.read_text()
+    line = next(x for x in text.splitlines() if x.startswith(f"{setting} = "))
+    settings.write_text(text.replace(line, f"{setting} = {value}"))
+    for command in (("sample", str(trained)), ("train", str(trained), "--local", "--steps", "3")):
+        said = said_once(tilehive(*command, timeout=120))
+        changed = "written for another model" in said or "the model's settings changed" in said
+        assert "step-000002.npz" in said and changed, said
