@@ -624,17 +624,31 @@ def status(target: str, as_json: bool) -> None:
 
     if not target.strip():
         raise click.BadParameter("an empty DIR|URL", param_hint="TARGET")
+    problem = None
     if "://" in target:
         summary = remote.status(target)
-        where = target
     else:
         summary = _status_of(Path(target))
-        where = target
+        problem = _settings_problem(Path(target))
     if as_json:
-        click.echo(json.dumps(summary))
-        return
-    for line in status_lines(where, summary):
-        click.echo(line)
+        click.echo(json.dumps({**summary, "settings_error": problem} if problem else summary))
+    else:
+        for line in status_lines(target, summary):
+            click.echo(line)
+    if problem:
+        # What the files say is shown all the same; a script learns from the exit status
+        # that the project cannot be trained as it stands.
+        raise click.ClickException(problem)
+
+
+def _settings_problem(directory: Path) -> str | None:
+    """Why project.toml cannot be used (as train and coordinator would refuse it), or None."""
+    try:
+        load_project(directory)
+    except ProjectError as exc:
+        said = str(exc)
+        return said if "project.toml" in said else f"{directory / 'project.toml'}: {said}"
+    return None
 
 
 def paused_hosts(n: int) -> str:

@@ -574,3 +574,27 @@ async def test_work_waits_for_volunteers_then_for_a_larger_one(tmp_path, rng):
             product.cancel()
             with contextlib.suppress(BaseException):
                 await product
+
+
+@pytest.mark.parametrize(
+    ("edit", "said"),
+    [
+        (lambda text: text.replace('policy = "quorum"', 'policy = "bogus"'), "work.policy"),
+        (lambda text: text + "\nx = [\n", "is not valid TOML"),
+    ],
+    ids=["a setting out of range", "not TOML"],
+)
+def test_status_of_a_project_whose_settings_are_broken_says_so(tmp_path, edit, said):
+    """It shows what the files say, says why train and coordinator would refuse the
+    project, and exits 1 (it said step 0 of ? and exited 0)."""
+    project = tmp_path / "project"
+    projects.create(project, **SMALL)
+    settings = project / "project.toml"
+    assert 'policy = "quorum"' in settings.read_text()
+    settings.write_text(edit(settings.read_text()))
+    text = tilehive("status", str(project))
+    assert text.returncode == 1 and "step 0 of ?" in text.stdout
+    assert text.stderr.startswith(f"Error: {settings}") and said in text.stderr
+    assert len(text.stderr.splitlines()) == 1
+    as_json = tilehive("status", str(project), "--json")
+    assert as_json.returncode == 1 and said in json.loads(as_json.stdout)["settings_error"]
