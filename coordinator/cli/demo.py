@@ -17,8 +17,9 @@ from pathlib import Path
 import click
 from tqdm import tqdm
 
+from coordinator.state.lock import in_use
 from coordinator.state.reader import ProjectReader
-from coordinator.training import history
+from coordinator.training import checkpoints, history
 from coordinator.training import project as projects
 
 POLL = 0.5
@@ -130,6 +131,15 @@ def volunteers_needed(project: projects.Project) -> int:
 DEFAULT_STEPS = 20
 
 
+def _said(log: Path) -> str:
+    """The last `Error:` line a process wrote to its log, as ": ..." (or "")."""
+    with contextlib.suppress(OSError):
+        for line in reversed(log.read_text(errors="replace").splitlines()):
+            if line.startswith("Error: "):
+                return ": " + line.removeprefix("Error: ")
+    return ""
+
+
 def run_demo(
     volunteers: int, steps: int | None, directory: Path | None, keep: bool, wait: bool = True
 ) -> None:
@@ -141,7 +151,17 @@ def run_demo(
         signal.signal(signum, _raise_stopped)
     temporary = directory is None
     if not temporary and (directory / projects.PROJECT_FILE).exists():
+        busy = in_use(directory)
+        if busy:
+            raise click.ClickException(busy)
         settings = projects.load(directory)
+        done = checkpoints.latest(settings.checkpoints) or 0
+        if done >= settings.training.steps:
+            click.echo(
+                f"nothing to do: all {settings.training.steps} steps of {directory} are done "
+                "(raise training.steps in its project.toml to train more)"
+            )
+            return
     else:  # the defaults a new project gets, checked before anything is written
         settings = projects.Project(directory=Path())
     needed = volunteers_needed(settings)
@@ -179,7 +199,8 @@ def run_demo(
         coordinator.stdout.close()
         if "http://" not in first:
             raise click.ClickException(
-                f"the coordinator did not start; see {logs / 'coordinator.log'}"
+                f"the coordinator did not start{_said(logs / 'coordinator.log')}; "
+                f"see {logs / 'coordinator.log'}"
             )
         url = first[first.index("http://") :].split()[0]
         click.echo(f"dashboard: {url}/  (open it in a browser to watch the volunteers work)")

@@ -97,6 +97,12 @@ def _read(fd: int) -> dict:
     return holder if isinstance(holder, dict) else {}
 
 
+def in_use(directory: Path) -> str | None:
+    """Why the project cannot be taken now (who holds it, as ProjectBusy says), or None."""
+    running = holder(directory)
+    return None if running is None else _refusal(directory, running)
+
+
 def _refusal(directory: Path, holder: dict) -> str:
     pid = holder.get("pid", "unknown")
     command = holder.get("command", "another tilehive process")

@@ -547,6 +547,29 @@ def test_the_demo_refuses_fewer_volunteers_than_a_tile_needs(tmp_path):
     assert result.returncode == 0, result.stderr
 
 
+def test_the_demo_of_a_finished_or_busy_project_says_so_and_starts_nothing(tmp_path, reaper):
+    """It started three volunteers (three new hosts each time) for a finished project and
+    said they computed 0% of the time; on a project a coordinator serves, it said only that
+    its coordinator did not start."""
+    directory = tmp_path / "demo"
+    projects.create(directory, **{**SMALL, "training.steps": 1, "work.policy": "freivalds"})
+    assert tilehive("train", str(directory), "--local", timeout=300).returncode == 0
+    done = tilehive("demo", "--dir", str(directory), "--no-wait", timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert "nothing to do: all 1 steps of" in done.stdout and "dashboard" not in done.stdout
+    assert not list(directory.glob("volunteer-*")) and not (directory / "state.db").exists()
+    busy = tmp_path / "busy"
+    projects.create(busy, **{**SMALL, "training.steps": 5000, "work.policy": "freivalds"})
+    coordinator = reaper(start_coordinator(busy, "127.0.0.1:0", tmp_path / "c.log"))
+    url = first_url(coordinator)
+    refused = tilehive("demo", "--dir", str(busy), "--no-wait", timeout=120)
+    assert refused.returncode == 1 and refused.stdout == ""
+    assert f"is in use by `tilehive coordinator` (pid {coordinator.pid}) serving {url}" in (
+        refused.stderr
+    )
+    assert not list(busy.glob("volunteer-*"))
+
+
 async def test_work_waits_for_volunteers_then_for_a_larger_one(tmp_path, rng):
     async with running(tmp_path, tile=16) as (co, queue, url):
         a, b = operands(rng, 32, 32, 40_000, False, False)  # panels of 2.5 MB
