@@ -22,7 +22,13 @@ from coordinator.engine.config import CoordinatorConfig
 from coordinator.engine.crowd import CrowdWatch
 from coordinator.engine.offload import copy_in_pieces, offload
 from coordinator.engine.operands import OperandIds
-from coordinator.engine.recovery import canonical_tile, panel_ids, panels, restore_panels
+from coordinator.engine.recovery import (
+    canonical_tile,
+    panel_ids,
+    panels,
+    restore_panels,
+    say_recomputed,
+)
 from coordinator.rules import scheduler, sizing
 from coordinator.state.blobs import BlobStore
 from coordinator.state.ledger import Ledger
@@ -223,6 +229,7 @@ class Products:
                 # Finished before a restart: the tiles are committed blobs.
                 wus, _ = await self.store.gemm_work(gid)
                 await asyncio.to_thread(self._fill, output.out, wus)
+                say_recomputed(gemm)
                 self._let_go(gid)
                 del self.outputs[gid]
                 output.done.set_result(output.out)
@@ -436,6 +443,7 @@ class Products:
         if self.judge_late is not None:
             await self.judge_late(output.gemm.id, now)
         gemm = output.gemm.evolve(state=GemmState.DONE)
+        say_recomputed(gemm)
         self.ledger.put_gemm(gemm)
         what = f"{gemm.label or 'gemm'} {gemm.m}x{gemm.n}x{gemm.k} complete"
         self.ledger.log([Event(now, "gemm", "done", what, gemm.step, gemm.id)])

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import threading
+from collections import Counter
 from collections.abc import Iterable
 
 import numpy as np
@@ -24,6 +26,10 @@ log = logging.getLogger(__name__)
 # After a kill every product since the last checkpoint may have lost its blobs (they are
 # held in memory until written): the first recovery says why, the others go to INFO.
 _explained = False
+# Tiles recomputed, by product, until the product says so in one line: a line per tile
+# was thousands of lines after a kill (canonical_tile runs on worker threads too).
+_recomputed: Counter[str] = Counter()
+_recomputed_lock = threading.Lock()
 
 
 def _recovered(message: str, *args: object) -> None:
@@ -62,11 +68,13 @@ def canonical_tile(blobs: BlobStore, wu: WorkUnit) -> np.ndarray:
     try:
         return blobs.get_array(wu.canonical_hash)
     except (BlobNotFound, ValueError):
-        _recovered(
+        log.debug(
             "tile %s of work unit %s is gone; recomputing it",
             wu.canonical_hash[:12],
             short_workunit_id(wu.id),
         )
+        with _recomputed_lock:
+            _recomputed[wu.gemm_id] += 1
         tile = kernels.gemm(
             blobs.get_array(wu.a_panel),
             blobs.get_array(wu.b_panel),
@@ -75,6 +83,21 @@ def canonical_tile(blobs: BlobStore, wu: WorkUnit) -> np.ndarray:
         )
         blobs.put(kernels.encode_array(tile), wu.canonical_hash)
         return tile
+
+
+def say_recomputed(gemm: Gemm) -> None:
+    """Once a product's tiles are all in its output: how many canonical_tile recomputed, in
+    one line (none: nothing said)."""
+    with _recomputed_lock:
+        count = _recomputed.pop(gemm.id, 0)
+    if count:
+        _recovered(
+            "step %d: %s: %d tile(s) of %d were gone; recomputed",
+            gemm.step,
+            gemm.label or gemm.id[:12],
+            count,
+            len(range(0, gemm.m, gemm.tile)) * len(range(0, gemm.n, gemm.tile)),
+        )
 
 
 async def restore_panels(
