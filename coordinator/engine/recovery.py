@@ -26,10 +26,12 @@ log = logging.getLogger(__name__)
 # After a kill every product since the last checkpoint may have lost its blobs (they are
 # held in memory until written): the first recovery says why, the others go to INFO.
 _explained = False
-# Tiles recomputed, by product, until the product says so in one line: a line per tile
-# was thousands of lines after a kill (canonical_tile runs on worker threads too).
+# Tiles recomputed, by product, then by step until the step says so in one line: a line per
+# tile was thousands of lines after a kill (canonical_tile runs on worker threads too).
 _recomputed: Counter[str] = Counter()
 _recomputed_lock = threading.Lock()
+_tally_step: int | None = None  # the step whose recomputed tiles are being counted
+_tally_tiles = _tally_products = 0
 
 
 def _recovered(message: str, *args: object) -> None:
@@ -86,18 +88,24 @@ def canonical_tile(blobs: BlobStore, wu: WorkUnit) -> np.ndarray:
 
 
 def say_recomputed(gemm: Gemm) -> None:
-    """Once a product's tiles are all in its output: how many canonical_tile recomputed, in
-    one line (none: nothing said)."""
+    """A product's tiles are all in its output: count those canonical_tile recomputed, and
+    say a step's count in one line once a product of another step finishes (the training
+    loop runs a step's products before the next's)."""
+    global _tally_step, _tally_tiles, _tally_products
     with _recomputed_lock:
         count = _recomputed.pop(gemm.id, 0)
-    if count:
-        _recovered(
-            "step %d: %s: %d tile(s) of %d were gone; recomputed",
-            gemm.step,
-            gemm.label or gemm.id[:12],
-            count,
-            len(range(0, gemm.m, gemm.tile)) * len(range(0, gemm.n, gemm.tile)),
-        )
+        if _tally_step is not None and gemm.step != _tally_step:
+            _recovered(
+                "step %d: %d tile(s) of %d product(s) were gone; recomputed",
+                _tally_step,
+                _tally_tiles,
+                _tally_products,
+            )
+            _tally_step, _tally_tiles, _tally_products = None, 0, 0
+        if count:
+            _tally_step = gemm.step
+            _tally_tiles += count
+            _tally_products += 1
 
 
 async def restore_panels(

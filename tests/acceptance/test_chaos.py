@@ -291,7 +291,7 @@ async def kill_coordinator_mid_steps(tmp_path: Path, reaper, steps: int, kill_in
     assert {wu: after.get(wu) for wu in kept} == kept
     said = log.read_text()
     assert said.count("resuming") >= len(kill_in)
-    # The tiles made again are said a product at a time, not a line each.
+    # The tiles made again are said a step at a time, not a line each.
     assert "recomputing it" not in said and "were gone; recomputed" in said
 
 
