@@ -9,7 +9,7 @@ from collections.abc import Callable
 from coordinator.engine.metrics import Metrics
 from coordinator.state.ledger import Ledger
 from coordinator.training import history
-from coordinator.work.records import GemmState
+from coordinator.work.records import GemmState, counted_state
 
 ACTIVE_WITHIN = 300.0  # seconds since its last contact for a host to count as active
 
@@ -124,7 +124,7 @@ class Progress:
         training = dict(self.training)
         return {
             "gemms_active": sum(1 for g in ledger.gemms.values() if g.state is GemmState.ACTIVE),
-            "workunits": _count(wu.state.value for wu in ledger.wus.values()),
+            "workunits": _count(counted_state(wu) for wu in ledger.wus.values()),
             "results": _count(r.server_state.value for r in ledger.results.values()),
             "hosts": len(ledger.hosts),
             "host_states": self.host_states(),

@@ -20,6 +20,7 @@ from coordinator.work.records import (
     ServerState,
     ValidateState,
     WorkUnit,
+    counted_state,
 )
 
 REPORTED_KEPT = 4000  # results remembered for the dashboard's task stream
@@ -145,8 +146,8 @@ class Ledger:
     def put_wu(self, wu: WorkUnit) -> None:
         old = self.wus.get(wu.id)
         if old is not None:
-            self.workunit_counts[old.state.value] -= 1
-        self.workunit_counts[wu.state.value] += 1
+            self.workunit_counts[counted_state(old)] -= 1
+        self.workunit_counts[counted_state(wu)] += 1
         self.wus[wu.id] = wu
         self.wus_of[wu.gemm_id][wu.id] = None
         self._batch.workunits[wu.id] = wu

@@ -11,6 +11,7 @@ from collections import Counter
 from typing import Any
 
 from coordinator.state.queries import WRITES, Params, QueryStore, Row, columns
+from coordinator.work.records import CANCELLED_STATE, WuError, WuState
 
 # The columns an upsert may change on a row that exists (the rest are fixed at insert), as
 # the ON CONFLICT clauses of queries.sql list them.
@@ -186,7 +187,7 @@ class MemoryStore(QueryStore):
         return rows[:limit]
 
     def count_workunits_by_state_run(self) -> list[Row]:
-        counts = Counter(w["state"] for w in self.tables["workunits"].values())
+        counts = Counter(_counted(w) for w in self.tables["workunits"].values())
         counts.update({k: v for k, v in self.tables["purged"].items() if k != "invalid_results"})
         return [{"state": state, "n": n} for state, n in counts.items()]
 
@@ -247,7 +248,7 @@ class MemoryStore(QueryStore):
         purged = self.tables["purged"]
         for w in self.tables["workunits"].values():
             if w["step"] <= step:
-                purged[w["state"]] = purged.get(w["state"], 0) + 1
+                purged[_counted(w)] = purged.get(_counted(w), 0) + 1
 
     def add_purged_invalid_run(self, step: int) -> None:
         wus = self.tables["workunits"]
@@ -293,3 +294,10 @@ def _as_stored(name: str, values: tuple) -> dict[str, Any]:
 
 def _through(event: dict[str, Any], step: int, before: float) -> bool:
     return event["step"] is not None and event["step"] <= step and event["time"] < before
+
+
+def _counted(row: dict[str, Any]) -> str:
+    """A work unit row's state as queries.sql counts it (records.counted_state)."""
+    if row["state"] == WuState.ERROR and row["error_mask"] & WuError.CANCELLED:
+        return CANCELLED_STATE
+    return row["state"]

@@ -113,8 +113,12 @@ WHERE id > :after
 ORDER BY id LIMIT :limit;
 
 -- name: count_workunits_by_state
+-- An error whose product was dropped (WuError.CANCELLED, 16) counts as cancelled
+-- (records.counted_state).
 SELECT state, SUM(n) AS n FROM (
-    SELECT state, COUNT(*) AS n FROM workunits GROUP BY state
+    SELECT CASE WHEN state = 'error' AND error_mask & 16 THEN 'cancelled' ELSE state END
+        AS state, COUNT(*) AS n
+    FROM workunits GROUP BY 1
     UNION ALL SELECT what AS state, n FROM purged WHERE what != 'invalid_results'
 ) GROUP BY state;
 
@@ -246,7 +250,9 @@ SELECT * FROM workunits WHERE step <= :step ORDER BY step, gemm_id, i0, j0;
 
 -- name: add_purged_workunits
 INSERT INTO purged (what, n)
-SELECT state, COUNT(*) FROM workunits WHERE step <= :step GROUP BY state
+SELECT CASE WHEN state = 'error' AND error_mask & 16 THEN 'cancelled' ELSE state END,
+    COUNT(*)
+FROM workunits WHERE step <= :step GROUP BY 1
 ON CONFLICT(what) DO UPDATE SET n = n + excluded.n;
 
 -- name: add_purged_invalid

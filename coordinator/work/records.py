@@ -421,6 +421,18 @@ def workunit_id(
     return f"{step & 0xFFFFFFFF:08x}{gemm[:16]}{digest[:40]}"
 
 
+CANCELLED_STATE = "cancelled"
+
+
+def counted_state(wu: WorkUnit) -> str:
+    """A work unit's state as status counts it: an error whose product was dropped (its
+    step cancelled, or its blobs lost to a kill, and the product run again) counts as
+    `cancelled`, not as an error, which an operator would read as a failure."""
+    if wu.state is WuState.ERROR and wu.error_mask & WuError.CANCELLED:
+        return CANCELLED_STATE
+    return wu.state.value
+
+
 def short_workunit_id(wu_id: str) -> str:
     """The 12 digits that tell a work unit from its GEMM's others in logs and tables: its
     id's last (the first are its step and GEMM, shared by all of them)."""

@@ -349,12 +349,17 @@ async def test_a_cancelled_step_stops_training_and_a_restart_runs_it_again_bitwi
         assert failed and {r["error"] for r in failed} == {"step 2 cancelled by the operator"}
         table = tilehive("logs", "tasks", str(remote), "--failures").stdout
         assert table.count("step 2 cancelled by the operator") == len(failed)
+        # Counted as cancelled, not as errors an operator would take for failures.
+        counts = json.loads(tilehive("status", str(remote), "--json").stdout)["workunits"]
+        assert counts.get("cancelled") == len(failed) and "error" not in counts, counts
         coordinator = reaper(start_coordinator(remote, port, log))
         await finish(coordinator, log)
     finally:
         for volunteer in crew:
             stop(volunteer)
     assert "running it again (attempt 2)" in log.read_text()
+    counts = json.loads(tilehive("status", str(remote), "--json").stdout)["workunits"]
+    assert counts.get("cancelled") == len(failed) and "error" not in counts, counts
     FIGURES["checkpoints equal to --local"] += assert_same_checkpoints(local, remote, steps)
     assert losses(remote) == losses(local)
     assert integrity(remote) == "ok"
