@@ -234,6 +234,9 @@ class Waiting:
         self.owner_busy = owner_busy  # a host paused while its owner works (explain)
         self.current: Wait | None = None
         self._seen: str | None = None  # the reason found by the previous look
+        # When work began to wait, whatever the reasons since: a wait that moved from one
+        # reason to another flows again after all of it, not after its last reason's share.
+        self._began: float | None = None
 
     def check(self, now: float) -> bool:
         """Look again; True when the reason changed (and was logged). A new reason counts
@@ -261,7 +264,15 @@ class Waiting:
             return False  # not sure yet: keep what was said
         if found is not None:
             self.current = Wait(found.reason, found.message, found.tiles, now)
-            log.warning("work waits: %s", found.message, extra={"reason": found.reason})
+            if before is None:
+                self._began = now
+            # Most reasons say "work waits for ..." themselves.
+            said = (
+                found.message
+                if found.message.startswith("work waits")
+                else (f"work waits: {found.message}")
+            )
+            log.warning("%s", said, extra={"reason": found.reason})
             data = json.dumps({"reason": found.reason})
             self.ledger.log([Event(now, "wait", "waiting", found.message, data=data)])
         else:
@@ -277,7 +288,9 @@ class Waiting:
 
     def _flowing(self, before: Wait, now: float) -> None:
         self.current = None
-        message = f"work flows again (it waited {now - before.since:.0f}s: {before.reason})"
+        began = before.since if self._began is None else min(self._began, before.since)
+        self._began = None
+        message = f"work flows again (it waited {now - began:.0f}s: {before.reason})"
         log.info(message)
         self.ledger.log([Event(now, "wait", "flowing", message)])
 

@@ -172,7 +172,8 @@ def test_one_volunteer_is_told_why_work_waits_and_a_finished_project_tells_them(
         said = tilehive("volunteer", "status", "--state-dir", str(state_dir))
         assert "is finished" in said.stdout
     text = log.read_text()
-    assert text.count("work waits:") == 1 and text.count("work flows again") == 1
+    assert text.count("WARNING work waits") == 1 and text.count("work flows again") == 1
+    assert "work waits: work waits" not in text
     assert "told 2 volunteer(s) that the project is finished" in text
     done = tilehive("status", str(project)).stdout
     assert "step 2 of 2" in done and "training finished" in done and "ETA: done" in done

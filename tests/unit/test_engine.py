@@ -10,6 +10,7 @@ import contextlib
 import dataclasses
 import gzip
 import json
+import logging
 import math
 import re
 import time
@@ -823,6 +824,25 @@ async def test_a_blob_store_that_cannot_be_written_is_why_work_waits(engine):
     assert "cannot be written (No space left on device)" in wait.message
     engine.blobs.failure = None
     assert engine.waiting.check(now + 2) and engine.waiting.current is None
+
+
+async def test_a_wait_that_changed_reasons_flows_again_after_all_of_it(engine, caplog):
+    """Said once, without "work waits: work waits"; when work flows it says how long the
+    whole wait was (it said the last reason's 7 s of a 52-s wait)."""
+    caplog.set_level(logging.INFO, logger="coordinator.engine.waiting")
+    engine.blobs.failure = OSError(28, "No space left on device")
+    now = time.time()
+    engine.waiting.check(now)
+    assert engine.waiting.check(now + 1) and engine.waiting.reason == "storage"
+    engine.requests.paused = True  # the operator's pause counts at once
+    assert engine.waiting.check(now + 40) and engine.waiting.reason == "paused"
+    engine.requests.paused = False
+    engine.blobs.failure = None
+    assert engine.waiting.check(now + 53) and engine.waiting.current is None
+    said = [r.getMessage() for r in caplog.records]
+    assert "work flows again (it waited 52s: paused)" in said, said
+    assert any(m.startswith("work waits for the blob store") for m in said), said
+    assert not any("work waits: work waits" in m for m in said)
 
 
 @pytest.mark.parametrize(
