@@ -447,9 +447,12 @@ def step_line(s: dict) -> str:
     )
 
 
-def _cut(shown: int, total: int, what: str) -> None:
-    """Say on stderr (not in the output a script reads) that the output was cut."""
-    if total > shown:
+def _cut(shown: int, total: int, what: str, filtered: bool = False) -> None:
+    """Say on stderr (not in the output a script reads) that the output was cut, or that
+    nothing matched the filters given (a header alone read as a failure to look)."""
+    if not total and filtered:
+        click.echo(f"-- no {what} match --", err=True)
+    elif total > shown:
         click.echo(
             f"-- showing the newest {shown} of {total} {what}; --limit N for more --", err=True
         )
@@ -515,6 +518,10 @@ def logs_tasks(
     """Work units and their results: where each tile went and what became of it."""
     import json
 
+    if by_step and not follow:
+        raise click.BadParameter(
+            "is for --follow: one line per step as each finishes", param_hint="--by-step"
+        )
     view = _view(directory)
     start = view.last_event_id()
     if follow and by_step:
@@ -545,7 +552,8 @@ def logs_tasks(
                 f"{_clock(r['created'])}  {_clock(r['finished'])}"
                 + (f"  {r['error']}" if r["error"] else "")
             )
-    _cut(len(rows), total, "work units")
+    filtered = any(x is not None for x in (step, state, host, since))
+    _cut(len(rows), total, "work units", filtered and not follow)
     if follow:
         emit = (
             (lambda e: click.echo(json.dumps({"type": "event", **e})))
@@ -597,13 +605,13 @@ def logs_validation(directory, step, host, since, follow, failures, as_json, sta
         click.echo(
             f"{_clock(e['time'])}  {e['step'] if e['step'] is not None else '-':>4}  "
             f"{short_workunit_id(e['wu_id'] or ''):12}  {str(e['host'] or '-')[:12]:12} "
-            f"{e.get('method', '-'):9} {e['state']:12} {trust:7} {e['message']}"
+            f"{e.get('method', '-'):9} {e['state']:12} {trust:9} {e['message']}"
         )
 
     if not as_json:
         click.echo(
             f"{'TIME':8}  {'STEP':>4}  {'WU':12}  {'HOST':12} {'METHOD':9} "
-            f"{'OUTCOME':12} {'TRUST':7} REASON"
+            f"{'OUTCOME':12} {'TRUST':9} REASON"
         )
     for event in events:
         emit(event)
@@ -642,7 +650,10 @@ def status(target: str, as_json: bool) -> None:
 
 
 def _settings_problem(directory: Path) -> str | None:
-    """Why project.toml cannot be used (as train and coordinator would refuse it), or None."""
+    """Why project.toml cannot be used (as train and coordinator would refuse it), or None
+    (none at all is status_of's to say: a directory that is no project)."""
+    if not (directory / "project.toml").exists():
+        return None
     try:
         load_project(directory)
     except ProjectError as exc:
@@ -752,16 +763,16 @@ def _admin_call(url: str, path: str, project_dir: Path | None, admin_token: str 
 @with_admin_options
 def pause(url, project_dir, admin_token) -> None:
     """Hand out no new work (work in progress is still accepted)."""
-    _admin_call(url, "/v1/admin/pause", project_dir, admin_token)
-    click.echo("paused")
+    reply = _admin_call(url, "/v1/admin/pause", project_dir, admin_token)
+    click.echo("paused" if reply.get("changed", True) else "was paused already: nothing changed")
 
 
 @admin.command()
 @with_admin_options
 def resume(url, project_dir, admin_token) -> None:
     """Hand out work again."""
-    _admin_call(url, "/v1/admin/resume", project_dir, admin_token)
-    click.echo("resumed")
+    reply = _admin_call(url, "/v1/admin/resume", project_dir, admin_token)
+    click.echo("resumed" if reply.get("changed", True) else "was not paused: nothing changed")
 
 
 @admin.command()

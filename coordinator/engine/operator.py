@@ -24,14 +24,19 @@ class Operator:
         self.passes = passes
         self.products = products
 
-    async def set_paused(self, paused: bool, now: float) -> None:
-        """Hand out no new work (results in progress are still accepted), or resume."""
+    async def set_paused(self, paused: bool, now: float) -> bool:
+        """Hand out no new work (results in progress are still accepted), or resume.
+        Returns whether that changed anything (a second pause does not)."""
+        if self.requests.paused == paused:
+            return False
         self.requests.paused = paused
         state = "paused" if paused else "resumed"
+        log.warning("project %s by the operator", state)
         self.ledger.log([Event(now, "project", state, f"project {state} by the operator")])
         await self.ledger.flush()
         if not paused:
             self.requests.signal_work()
+        return True
 
     async def set_quarantined(self, host_id: int, quarantined: bool, now: float) -> Host:
         """Quarantine a host or release it; a host already so is left as it is (a release
@@ -49,6 +54,7 @@ class Operator:
             self.requests.cooling.forget(host_id)
         self.ledger.put_host(changed)
         state = "quarantined" if quarantined else "released"
+        log.warning("host %d %s by the operator", host_id, state)
         self.ledger.log(
             [Event(now, "host", state, f"host {host_id} {state} by the operator", host_id=host_id)]
         )

@@ -448,8 +448,8 @@ async def dashboard_page(request: web.Request) -> web.Response:
 async def admin_pause(request: web.Request) -> web.Response:
     co = request.app[COORDINATOR]
     co.access.check_admin(bearer(request))
-    await co.operator.set_paused(request.match_info["action"] == "pause", time.time())
-    return msgpack_response({"paused": co.paused})
+    changed = await co.operator.set_paused(request.match_info["action"] == "pause", time.time())
+    return msgpack_response({"paused": co.paused, "changed": changed})
 
 
 async def admin_host(request: web.Request) -> web.Response:

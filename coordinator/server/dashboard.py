@@ -286,7 +286,7 @@ def host_table(co: Coordinator, now: float) -> str:
         f"<td>{uplink(co.uplinks.rate(h.id))}</td>"
         f"<td>{h.consecutive_valid}</td><td>{h.valid_count}</td><td>{h.invalid_count}</td>"
         f"<td>{h.error_count}</td><td>{h.max_in_progress}</td>"
-        f"<td>{now - h.last_contact:.0f}s ago</td>"
+        f"<td>{max(0.0, now - h.last_contact):.0f}s ago</td>"  # a contact as this page is made
         f"<td class='l'>{conditions[h.id][1]}</td></tr>"
         for h in every[:HOSTS_SHOWN]
     )
