@@ -306,7 +306,9 @@ def test_status_says_a_pause_once_and_no_eta_while_paused_or_without_a_coordinat
         lambda: status_of(url)["training"].get("eta_seconds") is not None,
         what="a timed step, and an ETA from it",
     )
-    assert tilehive("admin", "pause", url, "--project", str(project)).returncode == 0
+    assert tilehive("admin", "pause", url, "--project", str(project)).stdout == "paused\n"
+    again = tilehive("admin", "pause", url, "--project", str(project))
+    assert again.returncode == 0 and "was paused already: nothing changed" in again.stdout
     poll(lambda: status_of(str(project))["waiting"] is not None, what="the pause as a wait")
     said = tilehive("status", str(project)).stdout
     assert said.count("paused") == 1 and "waiting:" not in said, said
@@ -321,6 +323,10 @@ def test_status_says_a_pause_once_and_no_eta_while_paused_or_without_a_coordinat
     assert tilehive("admin", "resume", url, "--project", str(project)).returncode == 0
     coordinator.send_signal(signal.SIGINT)
     assert coordinator.wait(60) == 130
+    # The operator's doings are in the coordinator's log too, each once.
+    logged = (tmp_path / "c.log").read_text()
+    assert logged.count("project paused by the operator") == 1
+    assert logged.count("project resumed by the operator") == 1
     said = tilehive("status", str(project)).stdout
     assert "coordinator: not running" in said and "ETA: none while no coordinator runs" in said
 
@@ -347,6 +353,13 @@ async def test_logs_show_the_newest_and_say_when_they_cut(worked):
     for command in ("tasks", "validation"):
         bad = tilehive("logs", command, str(project), "--state", "bogus")
         assert bad.returncode == 2 and "'bogus' is not one of" in bad.stderr
+    # A filter that matches nothing says so; a header alone read as a failure to look.
+    none = tilehive("logs", "tasks", str(project), "--step", "99")
+    assert none.returncode == 0 and len(none.stdout.splitlines()) == 1
+    assert "-- no work units match --" in none.stderr
+    alone = tilehive("logs", "tasks", str(project), "--by-step")
+    assert alone.returncode == 2 and "--by-step" in alone.stderr
+    assert "is for --follow" in alone.stderr
 
 
 async def test_logs_follow_one_line_per_step(worked):
