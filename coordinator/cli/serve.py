@@ -27,7 +27,7 @@ from coordinator.server.api import check_bind, serve
 from coordinator.state import integrity
 from coordinator.state.lock import ProjectLock
 from coordinator.state.sqlite import SqliteStore
-from coordinator.training import history
+from coordinator.training import checkpoints, history
 from coordinator.training.project import Project
 from coordinator.training.trainer import StepReport, Trainer
 from kernels.malloc import keep_freed_memory
@@ -201,6 +201,11 @@ async def _train(
 ) -> int:
     steps = project.training.steps
     loop = asyncio.get_running_loop()
+    if (checkpoints.latest(project.checkpoints) or 0) >= steps:
+        announce(
+            f"nothing to do: all {steps} steps are done already (raise training.steps in "
+            f"{project.directory / 'project.toml'} to train more)"
+        )
 
     def on_step(report: StepReport) -> None:
         coordinator.progress.record_step(report.record(), steps)
