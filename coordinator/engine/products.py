@@ -214,11 +214,6 @@ class Products:
                 self._sample_between()
             elif gemm.state is GemmState.FAILED:
                 raise GemmFailed(gemm.error)
-            elif gemm.state is GemmState.PRUNED:
-                raise GemmFailed(
-                    f"GEMM {gid[:12]} of step {step} was pruned after a later checkpoint; "
-                    "resume from that checkpoint"
-                )
             else:
                 # Made before a restart. Blobs are not synced (docs/architecture.md): after
                 # a kill or a power cut, panels that are gone are stored again from the operands.
@@ -275,8 +270,9 @@ class Products:
         (looked up only when it may: Ledger.may_be_stored).
 
         A product that failed (or whose step was cancelled) in an earlier run of the
-        coordinator is run again as a new GEMM; one that failed in this run stays failed, so
-        its caller hears why instead of the work starting over behind its back."""
+        coordinator is run again as a new GEMM, as is one let go (pruned) after a checkpoint
+        that has gone since; one that failed in this run stays failed, so its caller hears
+        why instead of the work starting over behind its back."""
         attempt = 0
         while True:
             gid = describe(attempt=attempt)
@@ -289,9 +285,21 @@ class Products:
                     # store must say "done" before its tiles are read from it.
                     await self.ledger.flush()
                 gemm = await self.store.gemm(gid)
-            if gemm is None or gemm.state is not GemmState.FAILED or gid in self.failed_here:
+            again = (GemmState.FAILED, GemmState.PRUNED)
+            if gemm is None or gemm.state not in again or gid in self.failed_here:
                 return gid, gemm
             attempt += 1
+            if gemm.state is GemmState.PRUNED:
+                # Its step's checkpoint was written, and is gone now (moved aside as damaged):
+                # training went back to the one before, and runs the step again, bit for bit.
+                log.info(
+                    "step %d: %s was let go after a checkpoint that is gone; running it again "
+                    "(attempt %d)",
+                    gemm.step,
+                    gemm.label or f"GEMM {gid[:12]}",
+                    attempt + 1,
+                )
+                continue
             log.info(
                 "step %d: %s failed in an earlier run (%s); running it again (attempt %d)",
                 gemm.step,

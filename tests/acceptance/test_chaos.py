@@ -365,6 +365,37 @@ async def test_a_cancelled_step_stops_training_and_a_restart_runs_it_again_bitwi
     assert integrity(remote) == "ok"
 
 
+async def test_a_damaged_last_checkpoint_moved_aside_is_trained_again_bitwise_equal(
+    tmp_path, reaper
+):
+    """The coordinator says which checkpoint is damaged and what to do; done, training goes
+    back to the checkpoint before it and runs the step again, though that step's products
+    were let go (pruned) once its checkpoint was written."""
+    steps = 3
+    local, remote, port, url, log, crew = launch(tmp_path, reaper, steps)
+    last = remote / "checkpoints" / f"step-{steps:06d}.npz"
+    try:
+        await finish(reaper(start_coordinator(remote, port, log)), log)
+        with last.open("r+b") as cut:
+            cut.truncate(1000)
+        said = tilehive("coordinator", str(remote), "--bind", f"127.0.0.1:{port}", timeout=120)
+        assert said.returncode == 1 and "Traceback" not in said.stderr
+        assert f"{last} is damaged" in said.stderr and "move it and its other half" in said.stderr
+        aside = tmp_path / "aside"
+        aside.mkdir()
+        for half in (last, last.with_suffix(".opt.npz")):
+            half.rename(aside / half.name)
+        # Told the project was finished, the first volunteers have stopped.
+        crew += [reaper(start_volunteer(url, tmp_path / f"w{i}")) for i in range(2)]
+        await finish(reaper(start_coordinator(remote, port, log)), log)
+    finally:
+        for volunteer in crew:
+            stop(volunteer)
+    assert "was let go after a checkpoint that is gone; running it again" in log.read_text()
+    FIGURES["checkpoints equal to --local"] += assert_same_checkpoints(local, remote, steps)
+    assert integrity(remote) == "ok"
+
+
 # ---- a blob store that cannot be written -------------------------------------------------
 
 FS_IOC_GETFLAGS, FS_IOC_SETFLAGS, FS_IMMUTABLE_FL = 0x80086601, 0x40086602, 0x10
