@@ -98,9 +98,20 @@ def _read(fd: int) -> dict:
 
 
 def in_use(directory: Path) -> str | None:
-    """Why the project cannot be taken now (who holds it, as ProjectBusy says), or None."""
-    running = holder(directory)
-    return None if running is None else _refusal(directory, running)
+    """Why the project cannot be taken now (who holds it, as ProjectBusy says), or None.
+    Asks the lock itself, held for an instant: the pid a lock file names may be another
+    program's after a reboot."""
+    try:
+        fd = os.open(Path(directory) / LOCK_FILE, os.O_RDONLY | os.O_CLOEXEC)
+    except OSError:
+        return None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return _refusal(Path(directory), _read(fd))
+    finally:
+        os.close(fd)  # drops the lock, if this took it
+    return None
 
 
 def _refusal(directory: Path, holder: dict) -> str:
