@@ -14,6 +14,7 @@ import signal
 import socket
 import sys
 import time
+import unicodedata
 from pathlib import Path
 from typing import Any
 
@@ -33,6 +34,7 @@ from volunteer.emulator import (
     run_emulation,
 )
 from volunteer.logsetup import configure as configure_logging
+from volunteer.logsetup import one_line
 from volunteer.profile import ProfileError
 from volunteer.profile import load as load_profile
 from volunteer.state import AlreadyRunning, StateDir, default_state_dir
@@ -353,12 +355,31 @@ def live_line(s: dict[str, Any], width: int) -> str:
     terminal's edge hid the note every time."""
     width = max(20, width) - 1  # a character written in the last column wraps on some
     line = status_line(s)
-    if len(line) > width:
-        note = f" | {s['note']}" if s.get("note") else ""
+    if columns(line) > width:
+        note = f" | {one_line(s['note'])}" if s.get("note") else ""
         line = f"{s['state']}: {s['tiles']} tiles, {s['gflops']:.1f} GFLOPS{note}"
-        if len(line) > width:
-            line = line[: width - 3] + "..."
-    return line.ljust(width)
+        if columns(line) > width:
+            line = cut_to(line, width - 3) + "..."
+    return line + " " * (width - columns(line))
+
+
+def columns(text: str) -> int:
+    """The terminal columns `text` takes: two for a wide character (CJK), none for a
+    combining one."""
+    return sum(
+        0 if unicodedata.combining(c) else 2 if unicodedata.east_asian_width(c) in "WF" else 1
+        for c in text
+    )
+
+
+def cut_to(text: str, width: int) -> str:
+    """The longest start of `text` that takes at most `width` columns."""
+    taken = 0
+    for i, c in enumerate(text):
+        taken += columns(c)
+        if taken > width:
+            return text[:i]
+    return text
 
 
 def status_line(s: dict[str, Any]) -> str:
@@ -370,7 +391,9 @@ def status_line(s: dict[str, Any]) -> str:
         f"(benchmark {s.get('benchmark_gflops', 0):.1f}), "
         f"{s['mb_down']:.1f} MB down / {s['mb_up']:.1f} MB up, "
         f"cache hits {100 * s['cache_hit_rate']:.0f}%{backoff}"
-        + (f" | {s['note']}" if s.get("note") else "")
+        # The note may hold the coordinator's words: no control character reaches the
+        # terminal (an escape sequence, a newline breaking the redrawn line).
+        + (f" | {one_line(s['note'])}" if s.get("note") else "")
     )
 
 

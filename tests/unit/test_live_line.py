@@ -1,0 +1,36 @@
+"""The foreground volunteer's status line: it keeps the note, fits the terminal, and shows
+no control character from the coordinator's words."""
+
+from __future__ import annotations
+
+from volunteer.cli import columns, live_line, status_line
+
+STATUS = {
+    "state": "idle",
+    "tiles": 384,
+    "gflops": 6.7,
+    "benchmark_gflops": 91.1,
+    "mb_down": 0.7,
+    "mb_up": 1.5,
+    "cache_hit_rate": 1.0,
+    "backoff": 2,
+    "note": "work waits for another volunteer: the quorum policy has each tile computed by 2",
+}
+
+
+def test_the_whole_line_when_it_fits_and_the_note_before_the_counters_when_not():
+    wide = live_line(STATUS, 300)
+    assert wide.rstrip() == status_line(STATUS) and columns(wide) == 299
+    narrow = live_line(STATUS, 110)
+    assert narrow.startswith("idle: 384 tiles, 6.7 GFLOPS | work waits for another volunteer")
+    assert columns(narrow) == 109 and "cache hits" not in narrow
+    tiny = live_line(STATUS, 40)
+    assert columns(tiny) == 39 and tiny.rstrip().endswith("...")
+
+
+def test_the_coordinators_words_reach_the_terminal_escaped_and_measured_in_columns():
+    said = {**STATUS, "note": "\x1b]0;owned\x07\x1b[2J\nfake line " + "漢字" * 40}
+    for line in (live_line(said, 80), status_line(said)):
+        assert not any(c in line for c in "\x1b\x07\n\r"), line
+        assert "\\x1b]0;owned\\x07" in line
+    assert columns(live_line(said, 80)) == 79  # wide characters take two columns each
