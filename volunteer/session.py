@@ -15,6 +15,7 @@ import contextlib
 import logging
 import math
 import os
+import ssl
 import time
 from collections.abc import Awaitable, Callable
 from typing import TypeVar
@@ -225,11 +226,16 @@ def failure(exc: BaseException) -> str:
     kind = type(exc).__name__
     if isinstance(exc, aiohttp.ClientConnectorError):
         error = exc.os_error
-        # asyncio words a refused connection "Connect call failed (address)"; its errno
-        # says it plainly (a name's lookup has negative codes of its own, and words).
-        plain = error.errno is not None and error.errno > 0
-        said = os.strerror(error.errno) if plain else error.strerror or str(error)
-        return f"{kind}: {exc.host}:{exc.port}: {said}" if said else kind
+        if isinstance(error, ssl.SSLError):  # its errno (1) is no system error's
+            said = error.reason or str(error)
+        elif error.errno is not None and error.errno > 0:
+            # asyncio words a refused connection "Connect call failed (address)"; its errno
+            # says it plainly (a name's lookup has negative codes of its own, and words).
+            said = os.strerror(error.errno)
+        else:
+            said = error.strerror or str(error)
+        host = f"[{exc.host}]" if ":" in exc.host else exc.host
+        return f"{kind}: {host}:{exc.port}: {said}" if said else kind
     said = str(exc)
     return f"{kind}: {said}" if said and len(said) <= 200 else kind
 
