@@ -253,6 +253,7 @@ class Coordinator:
             )
 
     async def stop(self) -> None:
+        self.products.recomputed.flush()
         for task in self._tasks:
             task.cancel()
         for task in self._tasks:
@@ -285,6 +286,7 @@ class Coordinator:
         """Training is done: every work request is answered `finished` from now on."""
         self.requests.finish()
         self.waiting.end(now)
+        self.products.recomputed.flush()
 
     def _storage_failure(self) -> str | None:
         failure = self.blobs.failure

@@ -23,11 +23,11 @@ from coordinator.engine.crowd import CrowdWatch
 from coordinator.engine.offload import copy_in_pieces, offload
 from coordinator.engine.operands import OperandIds
 from coordinator.engine.recovery import (
+    Recomputed,
     canonical_tile,
     panel_ids,
     panels,
     restore_panels,
-    say_recomputed,
 )
 from coordinator.rules import scheduler, sizing
 from coordinator.state.blobs import BlobStore
@@ -128,6 +128,7 @@ class Products:
         self.outputs: dict[str, GemmOutput] = {}
         self.failed_here: set[str] = set()  # GEMMs that failed in this run: not retried
         self.tiles: dict[str, np.ndarray] = {}  # tiles just checked, by hash: no second read
+        self.recomputed = Recomputed()  # tiles a kill took, made again (engine/recovery.py)
         # Operands are frozen when hashed, and each array is hashed once (engine/operands.py).
         self.operand_ids = OperandIds()
         # The blobs each product in memory holds in the blob store (its panels, the tiles
@@ -224,7 +225,7 @@ class Products:
                 # Finished before a restart: the tiles are committed blobs.
                 wus, _ = await self.store.gemm_work(gid)
                 await asyncio.to_thread(self._fill, output.out, wus)
-                say_recomputed(gemm)
+                self.recomputed.product_done(gemm)
                 self._let_go(gid)
                 del self.outputs[gid]
                 output.done.set_result(output.out)
@@ -310,7 +311,7 @@ class Products:
 
     def _fill(self, out: np.ndarray, wus: list[WorkUnit]) -> None:
         for wu in wus:
-            out[wu.i0 : wu.i1, wu.j0 : wu.j1] = canonical_tile(self.blobs, wu)
+            out[wu.i0 : wu.i1, wu.j0 : wu.j1] = canonical_tile(self.blobs, wu, self.recomputed)
 
     async def _publish(self, gemm: Gemm, a: np.ndarray, b: np.ndarray) -> None:
         """Store the operand panels as blobs, then commit the GEMM and its work units."""
@@ -425,11 +426,12 @@ class Products:
         if tile is None and self.blobs.in_memory(wu.canonical_hash) is not None:
             # A small tile in memory is decoded on the loop: a hop to a thread costs more.
             tile = await offload(
-                lambda: canonical_tile(self.blobs, wu), sizing.tile_bytes(*wu.shape)
+                lambda: canonical_tile(self.blobs, wu, self.recomputed),
+                sizing.tile_bytes(*wu.shape),
             )
         elif tile is None:
             # From the disk, or recomputed after a kill (engine/recovery.py): on a thread.
-            tile = await asyncio.to_thread(canonical_tile, self.blobs, wu)
+            tile = await asyncio.to_thread(canonical_tile, self.blobs, wu, self.recomputed)
         # In pieces, the loop answering requests in between: a 16 MB tile copied into a fresh
         # output at once (page faults and all) kept the server from answering for several
         # milliseconds, and a hop to a thread per tile slows the product down.
@@ -451,7 +453,7 @@ class Products:
         if self.judge_late is not None:
             await self.judge_late(output.gemm.id, now)
         gemm = output.gemm.evolve(state=GemmState.DONE)
-        say_recomputed(gemm)
+        self.recomputed.product_done(gemm)
         self.ledger.put_gemm(gemm)
         what = f"{gemm.label or 'gemm'} {gemm.m}x{gemm.n}x{gemm.k} complete"
         self.ledger.log([Event(now, "gemm", "done", what, gemm.step, gemm.id)])
@@ -530,6 +532,7 @@ class Products:
         self.ledger.log([Event(now, "gemm", "cancelled", message, gemm.step, gemm.id)])
         self.ledger.put_gemm(gemm.evolve(state=GemmState.FAILED, error=message))
         self._let_go(gemm.id)
+        self.recomputed.forget(gemm.id)
         output = self.outputs.pop(gemm.id, None)
         if output is not None and not output.done.done():
             output.done.set_exception(GemmFailed(message))

@@ -26,12 +26,6 @@ log = logging.getLogger(__name__)
 # After a kill every product since the last checkpoint may have lost its blobs (they are
 # held in memory until written): the first recovery says why, the others go to INFO.
 _explained = False
-# Tiles recomputed, by product, then by step until the step says so in one line: a line per
-# tile was thousands of lines after a kill (canonical_tile runs on worker threads too).
-_recomputed: Counter[str] = Counter()
-_recomputed_lock = threading.Lock()
-_tally_step: int | None = None  # the step whose recomputed tiles are being counted
-_tally_tiles = _tally_products = 0
 
 
 def _recovered(message: str, *args: object) -> None:
@@ -64,9 +58,12 @@ def panel_ids(workunits: Iterable[WorkUnit]) -> list[str]:
     return sorted({p for wu in workunits for p in (wu.a_panel, wu.b_panel)})
 
 
-def canonical_tile(blobs: BlobStore, wu: WorkUnit) -> np.ndarray:
+def canonical_tile(
+    blobs: BlobStore, wu: WorkUnit, recomputed: Recomputed | None = None
+) -> np.ndarray:
     """A validated work unit's tile, from its blob; recomputed with the kernel (the same
-    bits) when a kill or a power cut took the blob, or the disk damaged it."""
+    bits) when a kill or a power cut took the blob, or the disk damaged it (counted in
+    `recomputed`)."""
     try:
         return blobs.get_array(wu.canonical_hash)
     except (BlobNotFound, ValueError):
@@ -75,8 +72,8 @@ def canonical_tile(blobs: BlobStore, wu: WorkUnit) -> np.ndarray:
             wu.canonical_hash[:12],
             short_workunit_id(wu.id),
         )
-        with _recomputed_lock:
-            _recomputed[wu.gemm_id] += 1
+        if recomputed is not None:
+            recomputed.tile(wu.gemm_id)
         tile = kernels.gemm(
             blobs.get_array(wu.a_panel),
             blobs.get_array(wu.b_panel),
@@ -87,25 +84,51 @@ def canonical_tile(blobs: BlobStore, wu: WorkUnit) -> np.ndarray:
         return tile
 
 
-def say_recomputed(gemm: Gemm) -> None:
-    """A product's tiles are all in its output: count those canonical_tile recomputed, and
-    say a step's count in one line once a product of another step finishes (the training
-    loop runs a step's products before the next's)."""
-    global _tally_step, _tally_tiles, _tally_products
-    with _recomputed_lock:
-        count = _recomputed.pop(gemm.id, 0)
-        if _tally_step is not None and gemm.step != _tally_step:
-            _recovered(
-                "step %d: %d tile(s) of %d product(s) were gone; recomputed",
-                _tally_step,
-                _tally_tiles,
-                _tally_products,
-            )
-            _tally_step, _tally_tiles, _tally_products = None, 0, 0
-        if count:
-            _tally_step = gemm.step
-            _tally_tiles += count
-            _tally_products += 1
+class Recomputed:
+    """The tiles canonical_tile made again, said a step at a time: a line per tile was
+    thousands of lines after a kill. Counted from worker threads too."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._by_product: Counter[str] = Counter()
+        self._step: int | None = None  # the step whose products' counts add up below
+        self._tiles = self._products = 0
+
+    def tile(self, gemm_id: str) -> None:
+        with self._lock:
+            self._by_product[gemm_id] += 1
+
+    def product_done(self, gemm: Gemm) -> None:
+        """A product's tiles are all in its output: its count joins its step's, and a step
+        before it is said (the training loop runs a step's products before the next's)."""
+        with self._lock:
+            count = self._by_product.pop(gemm.id, 0)
+            if self._step is not None and gemm.step != self._step:
+                self._say()
+            if count:
+                self._step = gemm.step
+                self._tiles += count
+                self._products += 1
+
+    def forget(self, gemm_id: str) -> None:
+        """A product dropped before it was done: nothing of it to say."""
+        with self._lock:
+            self._by_product.pop(gemm_id, None)
+
+    def flush(self) -> None:
+        """Say the last step's count (training is done, or the coordinator stops)."""
+        with self._lock:
+            if self._step is not None:
+                self._say()
+
+    def _say(self) -> None:
+        _recovered(
+            "step %d: %d tile(s) of %d product(s) were gone; recomputed",
+            self._step,
+            self._tiles,
+            self._products,
+        )
+        self._step, self._tiles, self._products = None, 0, 0
 
 
 async def restore_panels(

@@ -1,0 +1,41 @@
+"""After a kill, the tiles made again are said a step at a time, the last step included."""
+
+from __future__ import annotations
+
+import logging
+
+from coordinator.engine.recovery import Recomputed
+from coordinator.work.records import Gemm, Policy
+
+
+def gemm_record(step: int, gid: str) -> Gemm:
+    return Gemm(gid * 64, step, "l0", 16, 16, 4, False, False, 4, "a" * 64, "b" * 64, Policy.QUORUM)
+
+
+def said(caplog) -> list[str]:
+    return [r.getMessage().split(" (blobs")[0] for r in caplog.records]
+
+
+def test_each_step_is_said_once_when_the_next_begins_and_the_last_at_the_end(caplog):
+    caplog.set_level(logging.INFO, logger="coordinator.engine.recovery")
+    recomputed = Recomputed()
+    first, second, later, dropped = (
+        gemm_record(step=3, gid="a"),
+        gemm_record(step=3, gid="b"),
+        gemm_record(step=4, gid="c"),
+        gemm_record(step=4, gid="d"),
+    )
+    for gemm, tiles in ((first, 2), (second, 3), (later, 1), (dropped, 5)):
+        for _ in range(tiles):
+            recomputed.tile(gemm.id)
+    recomputed.product_done(first)
+    recomputed.product_done(second)
+    assert said(caplog) == []  # step 3 may have more products yet
+    recomputed.product_done(later)
+    assert said(caplog) == ["step 3: 5 tile(s) of 2 product(s) were gone; recomputed"]
+    recomputed.forget(dropped.id)
+    recomputed.product_done(dropped)  # dropped: nothing of it counts
+    recomputed.flush()
+    assert said(caplog)[1:] == ["step 4: 1 tile(s) of 1 product(s) were gone; recomputed"]
+    recomputed.flush()
+    assert len(said(caplog)) == 2
