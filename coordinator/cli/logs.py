@@ -20,7 +20,7 @@ from coordinator.state.integrity import has_trained
 from coordinator.state.reader import ProjectReader
 from coordinator.training import history
 from coordinator.training.project import PROJECT_FILE
-from coordinator.work.records import WU_DECIDED, WuError, WuState
+from coordinator.work.records import CANCELLED_STATE, WU_DECIDED, WuError, WuState, shown_state
 
 # What `logs tasks --follow` streams: the work's events, and what changed why it flows (the
 # operator's pauses and quarantines, work waiting and flowing again).
@@ -124,7 +124,7 @@ class ProjectView:
                     "step": w["step"],
                     "gemm": w["label"],
                     "tile": [w["i0"], w["i1"], w["j0"], w["j1"]],
-                    "state": w["state"],
+                    "state": shown_state(w["state"], w["error_mask"]),
                     "replicas": len(mine),
                     "valid": sum(r["validate_state"] == "valid" for r in mine),
                     "invalid": sum(r["validate_state"] == "invalid" for r in mine),
@@ -169,6 +169,7 @@ class ProjectView:
         summary["workunits"] = count(step=step, state=None, since=None, host_id=None)
         summary["assimilated"] = count(step=step, state="assimilated", since=None, host_id=None)
         summary["errors"] = count(step=step, state="error", since=None, host_id=None)
+        summary["cancelled"] = count(step=step, state=CANCELLED_STATE, since=None, host_id=None)
         summary["invalid"] = self.reader.newest_events(
             kinds=("validation",), step=step, states=("invalid",), limit=1
         )[1]

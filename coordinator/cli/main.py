@@ -22,7 +22,12 @@ from coordinator.training.corpus import CorpusError
 from coordinator.training.project import MAX_SEED, MAX_STEPS, MODELS, ProjectError
 from coordinator.training.project import create as create_project
 from coordinator.training.project import load as load_project
-from coordinator.work.records import ValidateState, WuState, short_workunit_id
+from coordinator.work.records import (
+    CANCELLED_STATE,
+    ValidateState,
+    WuState,
+    short_workunit_id,
+)
 from kernels import processes, reference
 from kernels.malloc import keep_freed_memory
 from volunteer.cli import Folder, Number, emulate, log_format_option, option, volunteer
@@ -442,7 +447,9 @@ def step_line(s: dict) -> str:
     val = f" val_loss {s['val_loss']:.4f}" if s.get("val_loss") is not None else ""
     return (
         f"{_clock(s.get('time'))} step {s['step']}: loss {s['loss']:.4f}{val}, "
-        f"{s['workunits']} work units ({s['assimilated']} assimilated, {s['errors']} failed), "
+        f"{s['workunits']} work units ({s['assimilated']} assimilated, {s['errors']} failed"
+        + (f", {s['cancelled']} cancelled" if s.get("cancelled") else "")
+        + "), "
         f"{s['invalid']} invalid results, {s.get('seconds', 0):.2f}s"
     )
 
@@ -465,7 +472,7 @@ def _event_line(e: dict) -> str:
     return f"{_clock(e['time'])} {where}{wu}{e['kind']} {e['state']} {host}| {e['message']}"
 
 
-WU_STATES = [s.value for s in WuState]
+WU_STATES = [s.value for s in WuState] + [CANCELLED_STATE]
 VALIDATION_STATES = [s.value for s in ValidateState] + ["no_quorum"]
 # What --failures keeps: evidence that something went wrong, not the normal flow.
 TASK_FAILURES = frozenset({"client_error", "no_reply", "error", "invalid", "cancelled"})
@@ -528,7 +535,7 @@ def logs_tasks(
         _follow_steps(view, Path(directory), as_json)
         return
     if failures and state is None:
-        state = "error"
+        state = "failed"  # error or cancelled (queries.sql, select_workunits_for_log)
     try:
         rows, total = view.tasks_counted(
             step=step, state=state, host=host, since=_since(since), limit=limit

@@ -11,7 +11,7 @@ from collections import Counter
 from typing import Any
 
 from coordinator.state.queries import WRITES, Params, QueryStore, Row, columns
-from coordinator.work.records import CANCELLED_STATE, WuError, WuState
+from coordinator.work.records import shown_state
 
 # The columns an upsert may change on a row that exists (the rest are fixed at insert), as
 # the ON CONFLICT clauses of queries.sql list them.
@@ -298,6 +298,4 @@ def _through(event: dict[str, Any], step: int, before: float) -> bool:
 
 def _counted(row: dict[str, Any]) -> str:
     """A work unit row's state as queries.sql counts it (records.counted_state)."""
-    if row["state"] == WuState.ERROR and row["error_mask"] & WuError.CANCELLED:
-        return CANCELLED_STATE
-    return row["state"]
+    return shown_state(row["state"], row["error_mask"])

@@ -158,9 +158,14 @@ SELECT (SELECT COUNT(*) FROM results WHERE validate_state = 'invalid')
 SELECT id FROM hosts WHERE name = :name ORDER BY id;
 
 -- name: select_workunits_for_log
+-- :state is a state as status counts it (records.counted_state: an error whose product was
+-- dropped, WuError.CANCELLED = 16, is 'cancelled'), or 'failed': error or cancelled.
 SELECT w.*, g.label, g.error AS gemm_error FROM workunits w JOIN gemms g ON g.id = w.gemm_id
 WHERE (:step IS NULL OR w.step = :step)
-  AND (:state IS NULL OR w.state = :state)
+  AND (:state IS NULL
+       OR (CASE WHEN w.state = 'error' AND w.error_mask & 16 THEN 'cancelled' ELSE w.state END)
+          = :state
+       OR (:state = 'failed' AND w.state = 'error'))
   AND (:since IS NULL OR w.created >= :since)
   AND (:host_id IS NULL OR w.id IN (SELECT wu_id FROM results WHERE host_id = :host_id))
 ORDER BY w.created DESC, w.i0 DESC, w.j0 DESC LIMIT :limit;
@@ -219,9 +224,13 @@ WHERE kind IN (SELECT value FROM json_each(:kinds))
   AND (:since IS NULL OR time >= :since);
 
 -- name: count_workunits_for_log
+-- :state as in select_workunits_for_log.
 SELECT COUNT(*) AS n FROM workunits w
 WHERE (:step IS NULL OR w.step = :step)
-  AND (:state IS NULL OR w.state = :state)
+  AND (:state IS NULL
+       OR (CASE WHEN w.state = 'error' AND w.error_mask & 16 THEN 'cancelled' ELSE w.state END)
+          = :state
+       OR (:state = 'failed' AND w.state = 'error'))
   AND (:since IS NULL OR w.created >= :since)
   AND (:host_id IS NULL OR w.id IN (SELECT wu_id FROM results WHERE host_id = :host_id));
 

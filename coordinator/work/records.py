@@ -428,9 +428,14 @@ def counted_state(wu: WorkUnit) -> str:
     """A work unit's state as status counts it: an error whose product was dropped (its
     step cancelled, or its blobs lost to a kill, and the product run again) counts as
     `cancelled`, not as an error, which an operator would read as a failure."""
-    if wu.state is WuState.ERROR and wu.error_mask & WuError.CANCELLED:
+    return shown_state(wu.state, wu.error_mask)
+
+
+def shown_state(state: str, error_mask: int) -> str:
+    """counted_state from a stored row's state and error mask (queries.sql says the same)."""
+    if state == WuState.ERROR and error_mask & WuError.CANCELLED:
         return CANCELLED_STATE
-    return wu.state.value
+    return str(state)
 
 
 def short_workunit_id(wu_id: str) -> str:

@@ -352,6 +352,10 @@ async def test_a_cancelled_step_stops_training_and_a_restart_runs_it_again_bitwi
         # Counted as cancelled, not as errors an operator would take for failures.
         counts = json.loads(tilehive("status", str(remote), "--json").stdout)["workunits"]
         assert counts.get("cancelled") == len(failed) and "error" not in counts, counts
+        for state, expected in (("cancelled", len(failed)), ("error", 0)):
+            listed = tilehive("logs", "tasks", str(remote), "--state", state, "--json").stdout
+            rows = [json.loads(line) for line in listed.splitlines()]
+            assert len(rows) == expected and all(r["state"] == state for r in rows), state
         coordinator = reaper(start_coordinator(remote, port, log))
         await finish(coordinator, log)
     finally:
