@@ -19,12 +19,14 @@ class NotACoordinator(Exception):
 
 
 def check_url(url: str) -> str:
-    """`url` without a trailing slash; ValueError (one line) unless it is an http(s) URL
-    with a host and a port in 1-65535, if it names one."""
-    if not url.isprintable() or any(c.isspace() for c in url):
-        # urlsplit drops tabs and newlines before it parses: the URL it checked would not
-        # be the one used.
-        raise ValueError(f"{url!r} holds a space or a control character: {EXAMPLE}")
+    """`url` without the spaces around it or a trailing slash; ValueError (one line) unless
+    it is an http(s) URL with a host and a port in 1-65535, if it names one."""
+    url = url.strip()  # a space or a newline pasted around it, as the client would drop it
+    if not url.isprintable() or any(c.isspace() or c == "\\" for c in url):
+        # urlsplit drops tabs and newlines inside before it parses: the URL it checked
+        # would not be the one used (a unit file's next setting, after a newline or a
+        # closing backslash).
+        raise ValueError(f"{url!r} holds a space, a backslash or a control character: {EXAMPLE}")
     try:
         parts = urlsplit(url)
         port = parts.port

@@ -137,7 +137,8 @@ BAD_URLS = [
     ("ftp://x", "not an http:// or https:// URL"),
     ("localhost:8470", "not an http:// or https:// URL"),
     # urlsplit drops a newline before it parses: the URL checked was not the one used.
-    ("http://127.0.0.1:8470/\nExecStartPre=/bin/true", "a space or a control character"),
+    ("http://127.0.0.1:8470/\nExecStartPre=/bin/true", "a space, a backslash or a control"),
+    ("http://127.0.0.1:8470/\\", "a space, a backslash or a control"),
 ]
 
 

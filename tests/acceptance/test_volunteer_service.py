@@ -3,6 +3,7 @@ volunteer at idle priority within its memory."""
 
 from __future__ import annotations
 
+import re
 import shlex
 import subprocess
 
@@ -60,8 +61,14 @@ def test_print_shows_the_unit_and_writes_nothing(tmp_path):
 
 def systemd_words(line: str) -> list[str]:
     """A unit's command line as systemd reads it: quotes and backslashes as a shell's
-    double quotes have them, then `%%` and `$$` as a single `%` and `$`."""
-    return [word.replace("%%", "%").replace("$$", "$") for word in shlex.split(line)]
+    double quotes have them, then `%%` and `$$` as a single `%` and `$`. A lone `%` or `$`
+    would be expanded by systemd (a specifier, a variable): it fails here."""
+    words = []
+    for word in shlex.split(line):
+        lone = re.sub(r"%%|\$\$", "", word)
+        assert "%" not in lone and "$" not in lone, f"systemd would expand {word!r}"
+        words.append(word.replace("%%", "%").replace("$$", "$"))
+    return words
 
 
 def test_the_unit_holds_odd_values_as_written_and_refuses_what_it_cannot(tmp_path):
@@ -76,7 +83,7 @@ def test_the_unit_holds_odd_values_as_written_and_refuses_what_it_cannot(tmp_pat
     assert command[command.index("start") + 1] == url
     assert command[command.index("--state-dir") + 1] == str(state.resolve())
     assert lines["Description"].endswith('a%%cb$HOME"q')  # no specifier expanded there
-    for bad in ("localhost:1", "http://x:1/\nExecStartPre=/bin/touch /tmp/pwned"):
+    for bad in ("localhost:1", "http://x:1/\nExecStartPre=/bin/touch /tmp/pwned", "http://x:1/\\"):
         refused = tilehive("volunteer", "install-service", bad, "--print")
         assert refused.returncode == 1 and refused.stdout == "", refused.stdout
         assert refused.stderr.startswith("Error: ") and len(refused.stderr.splitlines()) == 1
