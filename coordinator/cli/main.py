@@ -622,7 +622,8 @@ def logs_validation(directory, step, host, since, follow, failures, as_json, sta
         )
     for event in events:
         emit(event)
-    _cut(len(events), total, "decisions")
+    filtered = any(x is not None for x in (step, states, host, since))
+    _cut(len(events), total, "decisions", filtered and not follow)
     if follow:
         after = max(events[-1]["id"], start) if events else start
         filters = {"step": step, "state": None, "host": host}

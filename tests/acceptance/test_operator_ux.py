@@ -357,6 +357,9 @@ async def test_logs_show_the_newest_and_say_when_they_cut(worked):
     none = tilehive("logs", "tasks", str(project), "--step", "99")
     assert none.returncode == 0 and len(none.stdout.splitlines()) == 1
     assert "-- no work units match --" in none.stderr
+    none = tilehive("logs", "validation", str(project), "--step", "99")
+    assert none.returncode == 0 and len(none.stdout.splitlines()) == 1
+    assert "-- no decisions match --" in none.stderr
     alone = tilehive("logs", "tasks", str(project), "--by-step")
     assert alone.returncode == 2 and "--by-step" in alone.stderr
     assert "is for --follow" in alone.stderr
