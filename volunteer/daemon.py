@@ -114,7 +114,7 @@ class Volunteer(PullLoop):
         if self.config.low_priority:
             with contextlib.suppress(OSError):
                 os.nice(19)
-        cores = os.cpu_count() or 1
+        cores = len(os.sched_getaffinity(0))  # in a container, those it may use
         if self.config.threads > cores:
             log.warning(
                 "--threads %d is more than this machine's %d cores: the kernel's threads "

@@ -131,10 +131,12 @@ def volunteers_needed(project: projects.Project) -> int:
 DEFAULT_STEPS = 20
 
 
-def _said(log: Path) -> str:
-    """The last `Error:` line a process wrote to its log, as ": ..." (or "")."""
-    with contextlib.suppress(OSError):
-        for line in reversed(log.read_text(errors="replace").splitlines()):
+def _said(log: Path, start: int) -> str:
+    """The last `Error:` line a process wrote to its log from byte `start` on (the log is
+    appended to, run after run), as ": ..." (or "")."""
+    with contextlib.suppress(OSError), log.open("rb") as lines:
+        lines.seek(start)
+        for line in reversed(lines.read().decode(errors="replace").splitlines()):
             if line.startswith("Error: "):
                 return ": " + line.removeprefix("Error: ")
     return ""
@@ -190,17 +192,17 @@ def run_demo(
             f"project: {directory} ({project.training.steps} steps, "
             f"{project.work.policy} validation, {volunteers} volunteers)"
         )
+        log = logs / "coordinator.log"
+        earlier = log.stat().st_size if log.exists() else 0  # an earlier run's lines
         coordinator = _spawn(
-            ["coordinator", str(directory), "--bind", "127.0.0.1:0", "--keep-serving"],
-            logs / "coordinator.log",
+            ["coordinator", str(directory), "--bind", "127.0.0.1:0", "--keep-serving"], log
         )
         children.append(coordinator)
         first = coordinator.stdout.readline()
         coordinator.stdout.close()
         if "http://" not in first:
             raise click.ClickException(
-                f"the coordinator did not start{_said(logs / 'coordinator.log')}; "
-                f"see {logs / 'coordinator.log'}"
+                f"the coordinator did not start{_said(log, earlier)}; see {log}"
             )
         url = first[first.index("http://") :].split()[0]
         click.echo(f"dashboard: {url}/  (open it in a browser to watch the volunteers work)")

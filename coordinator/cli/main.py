@@ -525,7 +525,9 @@ def logs_tasks(
     """Work units and their results: where each tile went and what became of it."""
     import json
 
-    if by_step and not follow:
+    given = click.get_current_context().get_parameter_source("by_step")
+    if by_step and not follow and given is click.core.ParameterSource.COMMANDLINE:
+        # (TILEHIVE_BY_STEP set for the follows is no error of a plain listing's.)
         raise click.BadParameter(
             "is for --follow: one line per step as each finishes", param_hint="--by-step"
         )

@@ -240,6 +240,8 @@ def load(directory: Path | str) -> Project:
         raise ProjectError(
             f"{path} not found: create a project with `tilehive init {directory}`"
         ) from exc
+    except UnicodeDecodeError as exc:
+        raise ProjectError(f"{path} is not UTF-8 text, as TOML must be ({exc.reason})") from None
     return parse(directory, text)
 
 

@@ -455,3 +455,15 @@ def test_a_checkpoint_of_another_model_is_one_line(trained, setting, value):
         said = said_once(tilehive(*command, timeout=120))
         changed = "written for another model" in said or "the model's settings changed" in said
         assert "step-000002.npz" in said and changed, said
+
+
+def test_a_project_toml_that_is_not_utf8_is_one_line(tmp_path):
+    from coordinator.training import project as projects
+
+    project = tmp_path / "p"
+    projects.create(project)
+    settings = project / "project.toml"
+    settings.write_bytes(settings.read_bytes() + b"\xff\xfe")
+    for command in (("train", str(project), "--local"), ("status", str(project))):
+        said = said_once(tilehive(*command))
+        assert f"{settings} is not UTF-8 text" in said, said
