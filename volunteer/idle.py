@@ -10,6 +10,9 @@ their names (kernels/processes.py).
 
 The share is measured over a window of a second at least: the loop asks before every tile,
 and the kernel counts CPU in ticks of 10 ms, so a look every few milliseconds read noise.
+The owner counts as busy once the share has stayed over the threshold for SUSTAINED
+seconds: a second's burst of another program (a command run in a terminal, a page loading)
+paused the volunteer, and the coordinator then gave its tiles to others.
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ from kernels import processes
 THRESHOLD = 0.5  # cores' worth of CPU others may use before the volunteer pauses
 WINDOW = 1.0  # seconds: the shortest span a share is measured over; a look is kept as long
 RESCAN = 10.0  # seconds between two looks for tilehive's processes (a scan of /proc)
+SUSTAINED = 2.0  # seconds others must keep over THRESHOLD before the owner counts as busy
 
 
 @dataclass(frozen=True)
@@ -70,21 +74,29 @@ class OwnerWatch:
         self.proc = proc
         self.share: float | None = None  # cores others used in the last window; None: unknown
         self._last: Sample | None = None
+        self._over_since: float | None = None  # since when the share has stayed over
+        self._busy = False
         self._pids: set[int] = set()
         self._scanned = -RESCAN
 
     def busy(self, now: float | None = None) -> bool:
-        """True while others used more than `threshold` of a core in the last window."""
+        """True while others have used more than `threshold` of a core in each window of
+        the last SUSTAINED seconds, and in the last window."""
         now = time.monotonic() if now is None else now
         if self._last is not None and now - self._last.when < WINDOW:
-            return self.share is not None and self.share > self.threshold
+            return self._busy
         sample = self.sample(now)
         if sample is None:
             return False
         if self._last is not None:
             self.share = others_share(self._last, sample)
+            if self.share <= self.threshold:
+                self._over_since = None
+            elif self._over_since is None:
+                self._over_since = self._last.when  # the window this share was measured over
         self._last = sample
-        return self.share is not None and self.share > self.threshold
+        self._busy = self._over_since is not None and now - self._over_since >= SUSTAINED
+        return self._busy
 
     def sample(self, now: float) -> Sample | None:
         """The machine's CPU now; None without /proc."""

@@ -48,17 +48,35 @@ def test_the_owner_is_busy_only_when_programs_not_tilehives_use_half_a_core(tmp_
     # A second later the coordinator has used a core: tilehive's, so the owner is idle.
     fake_proc(tmp_path, 101.0, {11: ("tilehive-coord", 41.0), 12: ("firefox", 5.0)})
     assert watch.busy(now=WINDOW) is False and watch.share == pytest.approx(0.0)
-    # Then the owner's browser takes a core.
+    # Then the owner's browser takes a core: a second of it is a burst, two are use.
     fake_proc(tmp_path, 102.0, {11: ("tilehive-coord", 41.0), 12: ("firefox", 6.0)})
-    assert watch.busy(now=2 * WINDOW) is True and watch.share == pytest.approx(1.0)
+    assert watch.busy(now=2 * WINDOW) is False and watch.share == pytest.approx(1.0)
+    fake_proc(tmp_path, 103.0, {11: ("tilehive-coord", 41.0), 12: ("firefox", 7.0)})
+    assert watch.busy(now=3 * WINDOW) is True and watch.share == pytest.approx(1.0)
     # Looks within a window keep the last one's answer: the loop asks before every tile.
-    fake_proc(tmp_path, 102.0, {11: ("tilehive-coord", 41.0), 12: ("firefox", 6.0)})
-    assert watch.busy(now=2.5 * WINDOW) is True
+    fake_proc(tmp_path, 103.0, {11: ("tilehive-coord", 41.0), 12: ("firefox", 7.0)})
+    assert watch.busy(now=3.5 * WINDOW) is True
     # A tilehive process that starts later is found at the next scan of /proc.
-    fake_proc(tmp_path, 102.0, {13: ("tilehive-vol", 0.0)})
+    fake_proc(tmp_path, 103.0, {13: ("tilehive-vol", 0.0)})
     watch.busy(now=RESCAN + 1)
-    fake_proc(tmp_path, 103.0, {13: ("tilehive-vol", 1.0)})
+    fake_proc(tmp_path, 104.0, {13: ("tilehive-vol", 1.0)})
     assert watch.busy(now=RESCAN + 1 + WINDOW) is False
+
+
+def test_a_second_of_another_programs_work_is_no_owner_at_work(tmp_path):
+    """A command run in a terminal, a page loading: the volunteer went on computing."""
+    watch = OwnerWatch(proc=tmp_path)
+    fake_proc(tmp_path, 100.0, {12: ("bash", 5.0)})
+    watch.busy(now=0.0)
+    fake_proc(tmp_path, 101.0, {12: ("bash", 6.0)})  # a core for one second
+    assert watch.busy(now=WINDOW) is False and watch.share == pytest.approx(1.0)
+    fake_proc(tmp_path, 101.1, {12: ("bash", 6.0)})  # and then the machine idle
+    assert watch.busy(now=2 * WINDOW) is False and watch.share == pytest.approx(0.1)
+    fake_proc(tmp_path, 102.1, {12: ("bash", 7.0)})  # another second: it starts over
+    assert watch.busy(now=3 * WINDOW) is False
+    # One look over a longer span of use counts at once: its share is an average.
+    fake_proc(tmp_path, 105.1, {12: ("bash", 10.0)})
+    assert watch.busy(now=6 * WINDOW) is True
 
 
 def test_without_proc_the_owner_never_counts_as_busy(tmp_path):
