@@ -19,7 +19,13 @@ from coordinator.state.integrity import DamagedState
 from coordinator.state.lock import ProjectBusy, ProjectLock
 from coordinator.training import checkpoints
 from coordinator.training.corpus import CorpusError
-from coordinator.training.project import MAX_SEED, MAX_STEPS, MODELS, ProjectError
+from coordinator.training.project import (
+    MAX_SEED,
+    MAX_STEPS,
+    MODELS,
+    PROJECT_FILE,
+    ProjectError,
+)
 from coordinator.training.project import create as create_project
 from coordinator.training.project import load as load_project
 from coordinator.work.records import (
@@ -662,13 +668,14 @@ def status(target: str, as_json: bool) -> None:
 def _settings_problem(directory: Path) -> str | None:
     """Why project.toml cannot be used (as train and coordinator would refuse it), or None
     (none at all is status_of's to say: a directory that is no project)."""
-    if not (directory / "project.toml").exists():
+    settings = directory / PROJECT_FILE
+    if not settings.exists():
         return None
     try:
         load_project(directory)
     except ProjectError as exc:
         said = str(exc)
-        return said if "project.toml" in said else f"{directory / 'project.toml'}: {said}"
+        return said if PROJECT_FILE in said else f"{settings}: {said}"
     return None
 
 

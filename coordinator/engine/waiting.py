@@ -267,11 +267,9 @@ class Waiting:
             if before is None:
                 self._began = now
             # Most reasons say "work waits for ..." themselves.
-            said = (
-                found.message
-                if found.message.startswith("work waits")
-                else (f"work waits: {found.message}")
-            )
+            said = found.message
+            if not said.startswith("work waits"):
+                said = f"work waits: {said}"
             log.warning("%s", said, extra={"reason": found.reason})
             data = json.dumps({"reason": found.reason})
             self.ledger.log([Event(now, "wait", "waiting", found.message, data=data)])
@@ -288,7 +286,7 @@ class Waiting:
 
     def _flowing(self, before: Wait, now: float) -> None:
         self.current = None
-        began = before.since if self._began is None else min(self._began, before.since)
+        began = before.since if self._began is None else self._began
         self._began = None
         message = f"work flows again (it waited {now - began:.0f}s: {before.reason})"
         log.info(message)
