@@ -119,11 +119,15 @@ log_format_option = option(
 
 
 def check_name(name: str | None) -> str | None:
-    """A --name the coordinator takes (1 to MAX_NAME printable characters), refused here
-    in one line rather than by every registration after start."""
+    """A --name the coordinator takes (1 to MAX_NAME printable characters, not digits alone),
+    refused here in one line rather than by every registration after start."""
     if name is not None and not (1 <= len(name) <= MAX_NAME and name.isprintable()):
         raise click.ClickException(
             f"--name {name!r}: a name is 1 to {MAX_NAME} printable characters"
+        )
+    if name is not None and name.isascii() and name.isdigit():
+        raise click.ClickException(
+            f"--name {name!r}: a name must not be digits alone (digits name a host's id)"
         )
     return name
 

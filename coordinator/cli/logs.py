@@ -80,7 +80,7 @@ class ProjectView:
         self.reader.close()
 
     def host_id(self, host: str | None) -> int | None:
-        """A host given by id or by name."""
+        """A host given by id (digits alone, as `admin` reads them) or by its name."""
         if host is None:
             return None
         if host.isascii() and host.isdigit() and len(host) <= 18:  # an id SQLite can hold
@@ -88,7 +88,11 @@ class ProjectView:
         ids = self.reader.host_ids_named(host)
         if not ids:
             raise InspectError(f"no host named {host!r}")
-        return ids[-1]
+        if len(ids) > 1:
+            # Anyone may register a name: the newest of them is not the one meant.
+            listed = ", ".join(map(str, sorted(ids)))
+            raise InspectError(f"{len(ids)} hosts are named {host!r}: give the id ({listed})")
+        return ids[0]
 
     def host_names(self) -> dict[int, str]:
         return {r["id"]: r["name"] for r in self.reader.hosts()}

@@ -60,7 +60,8 @@ class HostRegistry:
 
     def find(self, id_or_name: str) -> int:
         """A host's id from its id or its name (the operator's word for it). Raises NotFound,
-        or BadRequest when several hosts share the name."""
+        or BadRequest when several hosts share the name. Digits alone are always an id: no
+        host may take such a name (protocol.parse_register)."""
         if id_or_name.isascii() and id_or_name.isdigit():
             if len(id_or_name) > 18:  # beyond any id; int() of 5,000 digits would raise
                 raise NotFound(f"no host {loggable(id_or_name[:20])}...")

@@ -253,6 +253,10 @@ def parse_register(message: dict[str, Any]) -> RegisterRequest:
     name = _get(message, "name", str)
     if not 1 <= len(name) <= MAX_NAME or not name.isprintable():
         raise BadRequest(f"field 'name' must be 1 to {MAX_NAME} printable characters")
+    if name.isascii() and name.isdigit():
+        # The operator's commands read digits as a host's id: a host named "1" would have
+        # `admin quarantine URL 1` act on another host.
+        raise BadRequest("field 'name' must not be digits alone: digits name a host's id")
     return RegisterRequest(
         name=name,
         gflops=float(_number(message, "gflops", 0.0, 1e6, 1.0)),

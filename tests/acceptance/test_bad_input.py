@@ -214,6 +214,14 @@ def test_a_volunteer_refuses_a_name_no_coordinator_takes_before_anything(tmp_pat
     assert not state.exists()
 
 
+def test_a_volunteer_refuses_a_name_of_digits_that_would_read_as_another_hosts_id(tmp_path):
+    state = tmp_path / "vol"
+    command = ("volunteer", "start", "http://127.0.0.1:9", "--name", "1", "--state-dir")
+    line = one_line_error(tilehive(*command, str(state)))
+    assert "--name '1': a name must not be digits alone" in line
+    assert not state.exists()
+
+
 @pytest.mark.parametrize(("url", "reason"), [u for u in BAD_URLS if "://" in u[0]])
 def test_status_and_admin_refuse_a_malformed_url(url, reason):
     for command in (["status", url], ["admin", "pause", url, "--token", "x"]):

@@ -56,6 +56,8 @@ async def test_malformed_and_forged_requests_get_clear_4xx(server):
             ("/v1/hosts", pack([1, 2, 3]), {}, 400, "must be a msgpack map"),
             ("/v1/hosts", pack({"name": 7}), {}, 400, "'name' must be str"),
             ("/v1/hosts", pack({"name": "x" * 500}), {}, 400, "1 to 64"),
+            # digits alone would be read as another host's id by `admin quarantine URL 1`
+            ("/v1/hosts", pack({"name": "1"}), {}, 400, "must not be digits alone"),
             ("/v1/hosts", pack({"name": "a", "threads": 1.5}), {}, 400, "'threads' must be int"),
             ("/v1/hosts", pack({"name": "a", "max_memory_mb": 2.5}), {}, 400, "must be int"),
             ("/v1/work", pack({"request_id": "r", "capacity": 1}), {}, 401, "Authorization"),

@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 
+from coordinator.cli.logs import InspectError, ProjectView
 from coordinator.state.reader import ProjectReader
 from coordinator.state.sqlite import SqliteStore, load_queries
 from coordinator.state.store import Batch
@@ -127,3 +128,18 @@ def test_the_command_line_holds_no_sql():
         assert "sqlite3" not in text, module
         for keyword in ("SELECT ", "INSERT ", "UPDATE ", "DELETE "):
             assert keyword not in text, (module, keyword)
+
+
+async def test_logs_refuse_a_host_name_two_hosts_share_rather_than_pick_the_newest(state_db):
+    # Anyone may register a name: a newcomer named "alice" must not hide alice's history.
+    store = SqliteStore(state_db)
+    await store.open()
+    await store.commit(Batch({}, {}, {}, {3: Host(3, "alice", "c" * 64, 1.0, 2.0)}, []))
+    await store.close()
+    view = ProjectView(state_db.parent)
+    try:
+        assert view.host_id("bob") == 2 and view.host_id("1") == 1
+        with pytest.raises(InspectError, match=r"2 hosts are named 'alice': give the id \(1, 3\)"):
+            view.host_id("alice")
+    finally:
+        view.close()
