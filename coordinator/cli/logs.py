@@ -17,6 +17,7 @@ from typing import Any
 
 from coordinator.engine.progress import host_state, no_host_states, settle_eta
 from coordinator.state.integrity import has_trained
+from coordinator.state.lock import holder
 from coordinator.state.reader import ProjectReader
 from coordinator.training import history
 from coordinator.training.project import PROJECT_FILE
@@ -274,8 +275,6 @@ class ProjectView:
         """paused and waiting as the running coordinator last recorded them (a pause outlasts
         a restart; why work waits is known only while a coordinator runs), and since when a
         coordinator serves (None: none does)."""
-        from coordinator.state.lock import holder
-
         running = holder(self.directory)
         pause = self.reader.last_event("project", ("paused", "resumed"))
         wait = self.reader.last_event("wait", ("waiting", "flowing"))
@@ -291,6 +290,7 @@ class ProjectView:
             "waiting": waiting,
             "coordinator": running.get("url") if running else None,
             "serving_since": since,
+            "training_locally": local_trainer(running),
         }
 
 
@@ -316,12 +316,20 @@ def status_of(directory: Path) -> dict[str, Any]:
                 "paused": False,
                 "waiting": None,
                 "coordinator": None,
+                "training_locally": local_trainer(holder(directory)),
             }
         )
     try:
         return view.status()
     finally:
         view.close()
+
+
+def local_trainer(running: dict | None) -> int | None:
+    """The pid of the `tilehive train --local` that holds the project, if one does."""
+    if running is None or running.get("command") != "train --local":
+        return None
+    return running.get("pid")
 
 
 def training_progress(directory: Path) -> dict[str, Any]:

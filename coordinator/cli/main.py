@@ -722,7 +722,12 @@ def status_lines(where: str, s: dict) -> list[str]:
     seconds, why_none = eta(s)
     see_above = " (see above)" if waiting and why_none == "unknown while work waits" else ""
     lines.append(f"ETA: {int(seconds)}s" if seconds is not None else f"ETA: {why_none}{see_above}")
-    if "coordinator" in s and not s["coordinator"]:
+    if s.get("training_locally"):
+        lines.append(
+            f"coordinator: not running; `tilehive train --local` (pid "
+            f"{s['training_locally']}) trains the project"
+        )
+    elif "coordinator" in s and not s["coordinator"]:
         lines.append("coordinator: not running (tilehive coordinator DIR)")
     return lines
 

@@ -36,14 +36,15 @@ def no_host_states() -> dict[str, int]:
 
 def eta(summary: dict) -> tuple[float | None, str]:
     """The time left, as status and the dashboard show it: (seconds, "") while training
-    flows, or (None, why there is none): done, paused, no coordinator running, work waiting
+    flows, or (None, why there is none): done, paused, no coordinator (nor `train --local`)
+    running, work waiting
     (the step times of before say nothing of when it flows again), or no step timed yet."""
     training = summary.get("training") or {}
     if training.get("done"):
         return None, "done"
     if summary.get("paused"):
         return None, "none while paused"
-    if "coordinator" in summary and not summary["coordinator"]:
+    if "coordinator" in summary and not (summary["coordinator"] or summary.get("training_locally")):
         return None, "none while no coordinator runs"
     if summary.get("waiting"):
         return None, "unknown while work waits"

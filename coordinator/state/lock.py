@@ -66,20 +66,26 @@ class ProjectLock:
 def holder(directory: Path | str) -> dict | None:
     """What the lock file says of a holder that still runs (pid, command, url, and `since`:
     when it last described itself, i.e. started serving), or None. Read without locking,
-    so that a reader never stands in a starting writer's way; a file left by a holder that
-    exited names a pid that no longer runs."""
+    so that a reader never stands in a starting writer's way: the kernel's table of locks
+    says whether the file is held (a holder killed, even one not yet reaped, holds nothing,
+    and after a reboot its pid may be another program's); where that table cannot be read,
+    whether the pid the file names still runs."""
     try:
         fd = os.open(Path(directory) / LOCK_FILE, os.O_RDONLY | os.O_CLOEXEC)
     except OSError:
         return None
     try:
         found = _read(fd)
-        found["since"] = os.fstat(fd).st_mtime
+        info = os.fstat(fd)
+        found["since"] = info.st_mtime
     finally:
         os.close(fd)
     pid = found.get("pid")
     if not isinstance(pid, int) or pid <= 0:
         return None
+    held = _flocked(info, pid)
+    if held is not None:
+        return found if held else None
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
@@ -87,6 +93,25 @@ def holder(directory: Path | str) -> dict | None:
     except PermissionError:
         pass  # another user's process: it runs
     return found
+
+
+def _flocked(info: os.stat_result, pid: int) -> bool | None:
+    """Whether some process holds a flock on the file `info` describes, from Linux's
+    /proc/locks; None where it cannot be read. A line names the file by device and inode;
+    on an overlay the device may be the layer's, so the holder's pid names it too."""
+    try:
+        with open("/proc/locks", encoding="ascii", errors="replace") as table:
+            lines = table.read().splitlines()
+    except OSError:
+        return None
+    device = f"{os.major(info.st_dev):02x}:{os.minor(info.st_dev):02x}:{info.st_ino}"
+    for line in lines:
+        fields = line.split()
+        if len(fields) < 6 or fields[1] != "FLOCK":
+            continue  # a POSIX lock, or a process waiting for one ("1: -> FLOCK ...")
+        if fields[5] == device or (fields[5].endswith(f":{info.st_ino}") and fields[4] == str(pid)):
+            return True
+    return False
 
 
 def _read(fd: int) -> dict:

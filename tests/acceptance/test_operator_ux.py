@@ -331,6 +331,22 @@ def test_status_says_a_pause_once_and_no_eta_while_paused_or_without_a_coordinat
     assert "coordinator: not running" in said and "ETA: none while no coordinator runs" in said
 
 
+def test_status_of_a_project_trained_locally_names_that_run_not_a_coordinator_to_start(tmp_path):
+    """`tilehive coordinator DIR` would be refused while `train --local` holds the project."""
+    project = tmp_path / "p"
+    projects.create(project, **{**SMALL, "training.steps": 100_000})
+    command = [sys.executable, "-m", "coordinator.cli", "train", str(project), "--local"]
+    with subprocess.Popen(command, cwd=ROOT, env=ENV, stdout=subprocess.DEVNULL) as local:
+        try:
+            poll(lambda: (project / "train.jsonl").exists(), what="the first local step")
+            said = tilehive("status", str(project)).stdout
+            assert f"`tilehive train --local` (pid {local.pid}) trains the project" in said
+            assert "tilehive coordinator DIR" not in said and "ETA: none" not in said, said
+            assert status_of(str(project))["training_locally"] == local.pid
+        finally:
+            local.kill()
+
+
 # ---- item 5: the logs show the newest, say when they cut, refuse unknown states ------------
 
 
