@@ -537,6 +537,7 @@ def logs_tasks(
         raise click.BadParameter(
             "is for --follow: one line per step as each finishes", param_hint="--by-step"
         )
+    _failures_or_state(failures, state)
     view = _view(directory)
     start = view.last_event_id()
     if follow and by_step:
@@ -582,6 +583,15 @@ def logs_tasks(
         _follow(view, TASK_KINDS, start, emit, filters, only)
 
 
+def _failures_or_state(failures: bool, state: str | None) -> None:
+    """--failures is a set of states itself: with --state too, one of them would be ignored."""
+    if failures and state is not None:
+        raise click.BadParameter(
+            "--failures picks the failed states itself: give --failures or --state, not both",
+            param_hint="--state",
+        )
+
+
 @logs.command("validation")
 @click.argument("directory", type=Folder())
 @with_filters
@@ -597,6 +607,7 @@ def logs_validation(directory, step, host, since, follow, failures, as_json, sta
     """Every validation decision: method, outcome, the reason with its numbers, host trust."""
     import json
 
+    _failures_or_state(failures, state)
     view = _view(directory)
     start = view.last_event_id()
     states = VALIDATION_FAILURES if failures else ({state} if state else None)

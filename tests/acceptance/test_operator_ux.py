@@ -366,9 +366,12 @@ async def test_logs_show_the_newest_and_say_when_they_cut(worked):
     tasks = tilehive("logs", "tasks", str(project), "--limit", "2")
     assert len(tasks.stdout.splitlines()) == 3  # the header and two work units
     assert "showing the newest 2 of " in tasks.stderr and "--limit N for more" in tasks.stderr
-    for command in ("tasks", "validation"):
+    for command, state in (("tasks", "assimilated"), ("validation", "valid")):
         bad = tilehive("logs", command, str(project), "--state", "bogus")
         assert bad.returncode == 2 and "'bogus' is not one of" in bad.stderr
+        # --failures is states of its own: one of the two was silently ignored
+        both = tilehive("logs", command, str(project), "--failures", "--state", state)
+        assert both.returncode == 2 and "give --failures or --state, not both" in both.stderr
     # A filter that matches nothing says so; a header alone read as a failure to look.
     none = tilehive("logs", "tasks", str(project), "--step", "99")
     assert none.returncode == 0 and len(none.stdout.splitlines()) == 1
