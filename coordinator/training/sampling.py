@@ -40,6 +40,8 @@ def generate(project: Project, prompt: str, length: int, temperature: float, see
         if temperature == 0:
             tokens.append(int(row.argmax()))
         else:
-            p = softmax_rows(row / temperature)
+            # Shifted before the division: the logits over a temperature near zero (1e-320)
+            # overflow to inf, and inf - inf is NaN; shifted, they fall to -inf, which is 0.
+            p = softmax_rows((row - row.max()) / temperature)
             tokens.append(int(rng.choice(len(p), p=p)))
     return printable(bytes(tokens).decode("utf-8", errors="replace"))

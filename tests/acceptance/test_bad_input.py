@@ -475,3 +475,11 @@ def test_a_project_toml_that_is_not_utf8_is_one_line(tmp_path):
     for command in (("train", str(project), "--local"), ("status", str(project))):
         said = said_once(tilehive(*command))
         assert f"{settings} is not UTF-8 text" in said, said
+
+
+def test_a_vanishing_temperature_samples_the_likeliest_bytes_not_a_traceback(trained):
+    """1e-320 overflowed the logits to inf, and the probabilities to NaN."""
+    common = ("sample", str(trained), "--prompt", "def ", "--length", "20", "--temperature")
+    tiny, greedy = tilehive(*common, "1e-320"), tilehive(*common, "0")
+    assert tiny.returncode == 0 and "Traceback" not in tiny.stderr, tiny.stderr
+    assert tiny.stdout == greedy.stdout
