@@ -507,11 +507,25 @@ def alive(pid: int) -> bool:
 @option("--json", "as_json", is_flag=True, help="Print the status as JSON.")
 def status(state_dir: Path, as_json: bool) -> None:
     """Show whether the volunteer runs and what it has done. Exits 3 when it does not run."""
-    import json
-
     state = _existing(state_dir)
     pid = state.running_pid() if state is not None else None
     saved = state.read_status() if state is not None else None
+    try:
+        _say_status(pid, saved, state_dir, as_json)
+    except (KeyError, TypeError, ValueError) as exc:  # a field missing or of another type
+        # Said as a status, not an error: whether it runs is known, and exit 3 keeps its meaning.
+        where = state.status_file if state is not None else state_dir
+        click.echo(
+            f"{f'running (pid {pid})' if pid else 'not running'}; {where} is not a status "
+            f"this volunteer wrote (damaged?): {type(exc).__name__} {exc}"
+        )
+    if pid is None:
+        sys.exit(3)
+
+
+def _say_status(pid: int | None, saved: dict | None, state_dir: Path, as_json: bool) -> None:
+    import json
+
     if as_json:
         click.echo(json.dumps({"running": pid is not None, **(saved or {})}))
     elif pid is None and saved and saved.get("state") == "finished":
@@ -532,8 +546,6 @@ def status(state_dir: Path, as_json: bool) -> None:
                 f"{saved['threads']} threads, {saved['errors']} errors, "
                 f"{saved['refused']} refused, {saved['aborted']} aborted"
             )
-    if pid is None:
-        sys.exit(3)
 
 
 @click.command()

@@ -84,10 +84,13 @@ class StateDir:
         write_private(self.status_file, json.dumps(status))
 
     def read_status(self) -> dict[str, Any] | None:
+        """What the daemon last wrote of itself; None when nothing is there, or when what is
+        there is not a status (a damaged file, or one written by something else)."""
         try:
-            return json.loads(self.status_file.read_text())
-        except (FileNotFoundError, json.JSONDecodeError):
+            saved = json.loads(self.status_file.read_text())
+        except (FileNotFoundError, ValueError):  # ValueError: not JSON, or not UTF-8
             return None
+        return saved if isinstance(saved, dict) else None
 
     def lock(self) -> int:
         """Take the pid file's lock and write our pid; returns the fd to keep open."""

@@ -483,3 +483,13 @@ def test_a_vanishing_temperature_samples_the_likeliest_bytes_not_a_traceback(tra
     tiny, greedy = tilehive(*common, "1e-320"), tilehive(*common, "0")
     assert tiny.returncode == 0 and "Traceback" not in tiny.stderr, tiny.stderr
     assert tiny.stdout == greedy.stdout
+
+
+@pytest.mark.parametrize("saved", ["[1, 2]", '{"state": "finished"}', "\udcff"])
+def test_volunteer_status_of_a_damaged_status_file_still_says_it_does_not_run(tmp_path, saved):
+    state = tmp_path / "vol"
+    state.mkdir()
+    (state / "status.json").write_text(saved, errors="surrogateescape")
+    said = tilehive("volunteer", "status", "--state-dir", str(state))
+    assert said.returncode == 3 and "Traceback" not in said.stderr, said.stderr
+    assert said.stdout.startswith("not running")
