@@ -219,7 +219,7 @@ class Products:
                 # Made before a restart. Blobs are not synced (docs/architecture.md): after
                 # a kill or a power cut, panels that are gone are stored again from the operands.
                 self.held[gid] += await restore_panels(
-                    self.blobs, self.ledger, self.store, gemm, a, b
+                    self.blobs, self.ledger, self.store, gemm, a, b, self.recomputed
                 )
             if gemm.state is GemmState.DONE:
                 # Finished before a restart: the tiles are committed blobs.

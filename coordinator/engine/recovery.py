@@ -85,56 +85,75 @@ def canonical_tile(
 
 
 class Recomputed:
-    """The tiles canonical_tile made again, said a step at a time: a line per tile was
-    thousands of lines after a kill. Counted from worker threads too."""
+    """The tiles canonical_tile made again, and the products whose panels restore_panels
+    stored again, said a step at a time: a line per tile or product was thousands of lines
+    after a kill. Counted from worker threads too."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._by_product: Counter[str] = Counter()
+        self._restored: set[str] = set()  # products whose panels were stored again
         self._step: int | None = None  # the step whose products' counts add up below
-        self._tiles = self._products = 0
+        self._tiles = self._products = self._panels = 0
 
     def tile(self, gemm_id: str) -> None:
         with self._lock:
             self._by_product[gemm_id] += 1
 
+    def panels(self, gemm_id: str) -> None:
+        with self._lock:
+            self._restored.add(gemm_id)
+
     def product_done(self, gemm: Gemm) -> None:
-        """A product's tiles are all in its output: its count joins its step's, and a step
+        """A product's tiles are all in its output: its counts join its step's, and a step
         before it is said (the training loop runs a step's products before the next's)."""
         with self._lock:
             count = self._by_product.pop(gemm.id, 0)
+            restored = gemm.id in self._restored
+            self._restored.discard(gemm.id)
             if self._step is not None and gemm.step != self._step:
                 self._say()
-            if count:
+            if count or restored:
                 self._step = gemm.step
                 self._tiles += count
-                self._products += 1
+                self._products += bool(count)
+                self._panels += restored
 
     def forget(self, gemm_id: str) -> None:
         """A product dropped before it was done: nothing of it to say."""
         with self._lock:
             self._by_product.pop(gemm_id, None)
+            self._restored.discard(gemm_id)
 
     def flush(self) -> None:
-        """Say the last step's count (training is done, or the coordinator stops)."""
+        """Say the last step's counts (training is done, or the coordinator stops)."""
         with self._lock:
             if self._step is not None:
                 self._say()
 
     def _say(self) -> None:
-        _recovered(
-            "step %d: %d tile(s) of %d product(s) were gone; recomputed",
-            self._step,
-            self._tiles,
-            self._products,
-        )
-        self._step, self._tiles, self._products = None, 0, 0
+        said = []
+        if self._tiles:
+            said.append(
+                f"{self._tiles} tile(s) of {self._products} product(s) were gone; recomputed"
+            )
+        if self._panels:
+            said.append(f"the operand panels of {self._panels} product(s) were gone; stored again")
+        _recovered("step %d: %s", self._step, "; ".join(said))
+        self._step, self._tiles, self._products, self._panels = None, 0, 0, 0
 
 
 async def restore_panels(
-    blobs: BlobStore, ledger: Ledger, store: Store, gemm: Gemm, a: np.ndarray, b: np.ndarray
+    blobs: BlobStore,
+    ledger: Ledger,
+    store: Store,
+    gemm: Gemm,
+    a: np.ndarray,
+    b: np.ndarray,
+    recomputed: Recomputed,
 ) -> list[str]:
-    """Store again, from its operands, the panels of a product made before a restart.
+    """Store again, from its operands, the panels of a product made before a restart
+    (counted in `recomputed`, said with its step).
 
     Returns the panels, held (BlobStore.hold) before they were looked for: a new product
     sharing one (the same weight, another micro-batch) lets go of it when it is done, and
@@ -154,11 +173,8 @@ async def restore_panels(
     except BaseException:
         blobs.release(needed)
         raise
-    _recovered(
-        "step %d: %s's operand panels were gone; stored again",
-        gemm.step,
-        gemm.label or gemm.id[:12],
-    )
+    log.debug("step %d: %s's operand panels were gone; stored again", gemm.step, gemm.label)
+    recomputed.panels(gemm.id)
     return needed
 
 

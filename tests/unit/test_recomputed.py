@@ -39,3 +39,27 @@ def test_each_step_is_said_once_when_the_next_begins_and_the_last_at_the_end(cap
     assert said(caplog)[1:] == ["step 4: 1 tile(s) of 1 product(s) were gone; recomputed"]
     recomputed.flush()
     assert len(said(caplog)) == 2
+
+
+def test_products_whose_panels_were_stored_again_are_counted_in_their_steps_line(caplog):
+    """A restart logged a line per product and micro-batch (310 after one kill)."""
+    caplog.set_level(logging.INFO, logger="coordinator.engine.recovery")
+    recomputed = Recomputed()
+    both, panels_only, dropped, later = (
+        gemm_record(step=7, gid="a"),
+        gemm_record(step=7, gid="b"),
+        gemm_record(step=7, gid="c"),
+        gemm_record(step=8, gid="d"),
+    )
+    recomputed.tile(both.id)
+    for gemm in (both, panels_only, dropped, later):
+        recomputed.panels(gemm.id)
+    recomputed.forget(dropped.id)
+    for gemm in (both, panels_only, dropped, later):
+        recomputed.product_done(gemm)
+    recomputed.flush()
+    assert said(caplog) == [
+        "step 7: 1 tile(s) of 1 product(s) were gone; recomputed; "
+        "the operand panels of 2 product(s) were gone; stored again",
+        "step 8: the operand panels of 1 product(s) were gone; stored again",
+    ]
