@@ -39,6 +39,7 @@ COORDINATOR = web.AppKey("coordinator", Coordinator)
 LOCAL_SOCKET = web.AppKey("local_socket", str)  # its name; "" when there is none
 PAGES = web.AppKey("pages", dashboard.Pages)
 MAX_REGISTER_BYTES = 16 << 10
+MAX_ADMIN_BYTES = 16 << 10  # an admin call carries nothing; a body, if any, is a msgpack map
 # Bodies this large move in pieces: a buffer filled as chunks arrive, a blob written a
 # piece at a time. asyncio copies a large write's unsent rest into fresh memory, and
 # joining a read's chunks copies the body again: on loopback both ways were 3x slower
@@ -445,16 +446,24 @@ async def dashboard_page(request: web.Request) -> web.Response:
     return web.Response(text=html, content_type="text/html")
 
 
-async def admin_pause(request: web.Request) -> web.Response:
+async def admin_coordinator(request: web.Request) -> Coordinator:
+    """The coordinator, once the caller is the operator and what it sent is an admin call:
+    no body, or a small msgpack map (unread before, so any bytes of any size were taken)."""
     co = request.app[COORDINATOR]
     co.access.check_admin(bearer(request))
+    if request.body_exists:
+        await read_body(request, MAX_ADMIN_BYTES)
+    return co
+
+
+async def admin_pause(request: web.Request) -> web.Response:
+    co = await admin_coordinator(request)
     changed = await co.operator.set_paused(request.match_info["action"] == "pause", time.time())
     return msgpack_response({"paused": co.paused, "changed": changed})
 
 
 async def admin_host(request: web.Request) -> web.Response:
-    co = request.app[COORDINATOR]
-    co.access.check_admin(bearer(request))
+    co = await admin_coordinator(request)
     host_id = co.hosts.find(request.match_info["host_id"])
     action = request.match_info["action"]
     before = co.ledger.hosts.get(host_id)
@@ -470,8 +479,7 @@ async def admin_host(request: web.Request) -> web.Response:
 
 
 async def admin_cancel_step(request: web.Request) -> web.Response:
-    co = request.app[COORDINATOR]
-    co.access.check_admin(bearer(request))
+    co = await admin_coordinator(request)
     given = request.match_info["step"]
     # ASCII digits only: int() also reads other scripts' digits ('１' cancelled step 1).
     if not (given.isascii() and given.isdigit()) or len(given) > 18:

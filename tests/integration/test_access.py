@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import io
 import threading
 import time
 
@@ -60,6 +61,27 @@ async def test_the_admin_token_pauses_resumes_and_quarantines(tmp_path, rng):
         assert np.array_equal(bits(got), bits(kernels.gemm(a, b)))
         events = await co.store.events(kind="project")
         assert [e.state for e in events] == ["paused", "resumed"]
+
+
+async def test_an_admin_call_takes_no_body_or_a_small_msgpack_map_and_nothing_else(tmp_path):
+    """The body went unread: any bytes of any size were taken, and changed the project."""
+    async with running(tmp_path, tile=16) as (co, _, url):
+        token = (tmp_path / "project" / "admin.token").read_text().strip()
+        auth = {"Authorization": f"Bearer {token}"}
+        path = url + "/v1/admin/pause"
+        async with aiohttp.ClientSession() as session:
+            plain = {**auth, "Content-Type": "text/plain"}
+            async with session.post(path, data=b"pause please", headers=plain) as r:
+                said = msgpack.unpackb(await r.read())["message"]
+                assert r.status == 415 and "application/msgpack" in said
+            big = {**auth, "Content-Type": "application/msgpack"}
+            huge = io.BytesIO(msgpack.packb("x" * (2 << 20)))
+            async with session.post(path, data=huge, headers=big) as r:
+                assert r.status == 413
+            assert not co.paused
+            async with session.post(path, headers=auth) as r:  # no body at all: curl -X POST
+                assert r.status == 200 and msgpack.unpackb(await r.read())["paused"] is True
+            assert co.paused
 
 
 @contextlib.asynccontextmanager
