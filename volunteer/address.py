@@ -20,7 +20,9 @@ class NotACoordinator(Exception):
 
 def check_url(url: str) -> str:
     """`url` without the spaces around it or a trailing slash; ValueError (one line) unless
-    it is an http(s) URL with a host and a port in 1-65535, if it names one."""
+    it is an http(s) URL with a host, a port in 1-65535 if it names one, and no user name,
+    query or fragment. A path is a prefix the coordinator is served under (behind a reverse
+    proxy), never one of the API's own (`/v1/...`)."""
     url = url.strip()  # a space or a newline pasted around it, as the client would drop it
     if not url.isprintable() or any(c.isspace() or c == "\\" for c in url):
         # urlsplit drops tabs and newlines inside before it parses: the URL it checked
@@ -38,6 +40,18 @@ def check_url(url: str) -> str:
         raise ValueError(f"{url!r} names no host: {EXAMPLE}")
     if port == 0:
         raise ValueError(f"{url!r} has port 0: {EXAMPLE}")
+    if parts.username is not None or parts.password is not None:
+        # Read as a host name before: "Name or service not known", for a URL that has one.
+        raise ValueError(
+            f"{url!r} holds a user name or password, which a coordinator does not take "
+            f"(volunteers get tokens when they register): {EXAMPLE}"
+        )
+    if parts.query or parts.fragment or url.endswith(("?", "#")):
+        raise ValueError(f"{url!r} has a query or a fragment: {EXAMPLE}")
+    if "/v1/" in parts.path + "/":
+        # The API's own path (copied from protocol.md or the browser): its paths go after it.
+        base = url[: url.index("/v1")]
+        raise ValueError(f"{url!r} is a path of the coordinator's API: give its base URL, {base}")
     return url.rstrip("/")
 
 

@@ -139,7 +139,19 @@ BAD_URLS = [
     # urlsplit drops a newline before it parses: the URL checked was not the one used.
     ("http://127.0.0.1:8470/\nExecStartPre=/bin/true", "a space, a backslash or a control"),
     ("http://127.0.0.1:8470/\\", "a space, a backslash or a control"),
+    # read as a host name "u:p@127.0.0.1" before: "Name or service not known"
+    ("http://u:p@127.0.0.1:8470", "holds a user name or password"),
+    ("http://127.0.0.1:8470/?project=x", "has a query or a fragment"),
 ]
+
+
+def test_the_apis_own_path_is_refused_with_the_base_url_to_give():
+    """`status http://H:P/v1/status` said the coordinator was no tilehive coordinator."""
+    for command in (["status"], ["volunteer", "start"]):
+        line = one_line_error(tilehive(*command, "http://127.0.0.1:8470/v1/status"))
+        assert (
+            "is a path of the coordinator's API: give its base URL, http://127.0.0.1:8470" in line
+        )
 
 
 # ---- URLs that are not URLs of a coordinator -----------------------------------------------
