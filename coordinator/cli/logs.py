@@ -49,6 +49,10 @@ def parse_since(value: str | None, now: float | None = None) -> float | None:
         ) from exc
 
 
+class NotStarted(InspectError):
+    """A project no coordinator has run yet: no history, though there will be."""
+
+
 class ProjectView:
     """A project's tasks, events and status, shaped for `tilehive logs` and `status`; the
     reading itself is the state package's ProjectReader."""
@@ -68,7 +72,7 @@ class ProjectView:
                     f"`tilehive status {quote(str(self.directory))}` shows its training"
                 )
             if (self.directory / PROJECT_FILE).exists():
-                raise InspectError(
+                raise NotStarted(
                     f"{self.directory} is a project whose coordinator has not run yet: "
                     f"nothing to show before `tilehive coordinator {quote(str(self.directory))}`"
                 )

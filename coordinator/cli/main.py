@@ -382,13 +382,31 @@ def _clock(t: float | None) -> str:
     return time.strftime("%H:%M:%S", time.localtime(t)) if t else "-"
 
 
-def _view(directory: Path):
-    from coordinator.cli.logs import InspectError, ProjectView
+def _view(directory: Path, follow: bool = False):
+    """The project's history; with --follow, a project no coordinator has run yet is waited
+    for (an operator may start the follower first), until Ctrl-C."""
+    from coordinator.cli.logs import InspectError, NotStarted, ProjectView
 
-    try:
-        return ProjectView(directory)
-    except InspectError as exc:
-        raise click.ClickException(str(exc)) from exc
+    said = False
+    while True:
+        try:
+            return ProjectView(directory)
+        except NotStarted as exc:
+            if not follow:
+                raise click.ClickException(str(exc)) from exc
+            if not said:
+                click.echo(
+                    f"-- no coordinator has run {directory} yet; waiting for its first "
+                    "(tilehive coordinator DIR); Ctrl-C to stop --",
+                    err=True,
+                )
+                said = True
+            try:
+                time.sleep(0.3)
+            except KeyboardInterrupt:
+                raise SystemExit(0) from None
+        except InspectError as exc:
+            raise click.ClickException(str(exc)) from exc
 
 
 def _status_of(directory: Path) -> dict:
@@ -538,7 +556,7 @@ def logs_tasks(
             "is for --follow: one line per step as each finishes", param_hint="--by-step"
         )
     _failures_or_state(failures, state)
-    view = _view(directory)
+    view = _view(directory, follow)
     start = view.last_event_id()
     if follow and by_step:
         _follow_steps(view, Path(directory), as_json)
@@ -608,7 +626,7 @@ def logs_validation(directory, step, host, since, follow, failures, as_json, sta
     import json
 
     _failures_or_state(failures, state)
-    view = _view(directory)
+    view = _view(directory, follow)
     start = view.last_event_id()
     states = VALIDATION_FAILURES if failures else ({state} if state else None)
     try:
