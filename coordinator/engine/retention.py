@@ -1,6 +1,7 @@
 """What a checkpoint lets go: the blobs of earlier products, and the database rows of the
-steps before the previous checkpoint (archived first), so that a project's disk and database
-stay bounded however long it runs."""
+steps before the previous checkpoint (archived first), so that a project's blob store and
+database stay bounded however long it runs. The checkpoints themselves and the archive grow
+with the run (docs/operator.md: an operator may delete all but the latest checkpoint)."""
 
 from __future__ import annotations
 
