@@ -478,11 +478,19 @@ def step_line(s: dict) -> str:
     )
 
 
-def _cut(shown: int, total: int, what: str, filtered: bool = False) -> None:
+def _cut(
+    shown: int, total: int, what: str, filtered: bool = False, archive: Path | None = None
+) -> None:
     """Say on stderr (not in the output a script reads) that the output was cut, or that
-    nothing matched the filters given (a header alone read as a failure to look)."""
+    nothing matched the filters given (a header alone read as a failure to look), and where
+    older steps went: the task log purges a step's work units sooner than its decisions."""
     if not total and filtered:
-        click.echo(f"-- no {what} match --", err=True)
+        older = (
+            f"; older steps' are archived in {archive}"
+            if archive is not None and archive.exists()
+            else ""
+        )
+        click.echo(f"-- no {what} match{older} --", err=True)
     elif total > shown:
         click.echo(
             f"-- showing the newest {shown} of {total} {what}; --limit N for more --", err=True
@@ -549,6 +557,8 @@ def logs_tasks(
     """Work units and their results: where each tile went and what became of it."""
     import json
 
+    from coordinator.engine.retention import WORKUNITS_ARCHIVE
+
     given = click.get_current_context().get_parameter_source("by_step")
     if by_step and not follow and given is click.core.ParameterSource.COMMANDLINE:
         # (TILEHIVE_BY_STEP set for the follows is no error of a plain listing's.)
@@ -587,7 +597,8 @@ def logs_tasks(
                 + (f"  {r['error']}" if r["error"] else "")
             )
     filtered = any(x is not None for x in (step, state, host, since))
-    _cut(len(rows), total, "work units", filtered and not follow)
+    archive = Path(directory) / "logs" / WORKUNITS_ARCHIVE
+    _cut(len(rows), total, "work units", filtered and not follow, archive)
     if follow:
         emit = (
             (lambda e: click.echo(json.dumps({"type": "event", **e})))
@@ -625,6 +636,8 @@ def logs_validation(directory, step, host, since, follow, failures, as_json, sta
     """Every validation decision: method, outcome, the reason with its numbers, host trust."""
     import json
 
+    from coordinator.engine.retention import EVENTS_ARCHIVE
+
     _failures_or_state(failures, state)
     view = _view(directory, follow)
     start = view.last_event_id()
@@ -660,7 +673,8 @@ def logs_validation(directory, step, host, since, follow, failures, as_json, sta
     for event in events:
         emit(event)
     filtered = any(x is not None for x in (step, states, host, since))
-    _cut(len(events), total, "decisions", filtered and not follow)
+    archive = Path(directory) / "logs" / EVENTS_ARCHIVE
+    _cut(len(events), total, "decisions", filtered and not follow, archive)
     if follow:
         after = max(events[-1]["id"], start) if events else start
         filters = {"step": step, "state": None, "host": host}

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gzip
 import json
 import os
 import pty
@@ -380,6 +381,13 @@ async def test_logs_show_the_newest_and_say_when_they_cut(worked):
     none = tilehive("logs", "tasks", str(project), "--step", "99")
     assert none.returncode == 0 and len(none.stdout.splitlines()) == 1
     assert "-- no work units match --" in none.stderr
+    # A step purged by a checkpoint: its decisions outlive its work units for a minute, and
+    # an empty answer for a step `logs validation` shows read as lost history.
+    archive = project / "logs" / "workunits.jsonl.gz"
+    archive.parent.mkdir(exist_ok=True)
+    archive.write_bytes(gzip.compress(b""))
+    purged = tilehive("logs", "tasks", str(project), "--step", "99")
+    assert f"-- no work units match; older steps' are archived in {archive} --" in purged.stderr
     none = tilehive("logs", "validation", str(project), "--step", "99")
     assert none.returncode == 0 and len(none.stdout.splitlines()) == 1
     assert "-- no decisions match --" in none.stderr
