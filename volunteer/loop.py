@@ -738,14 +738,21 @@ class PullLoop(CoordinatorSession):
                     await self._say_goodbye()
             except (ServerRefused, *TRANSIENT) as exc:
                 self._failed("report", exc)
-                self.log.warning(
-                    "leaving with %d result(s) the coordinator did not hear of in %.0fs "
-                    "(%s): it gives them to other hosts at their deadlines, or sooner if "
-                    "others are idle",
-                    len(self.pending),
-                    max(1.0, timeout),
-                    type(exc).__name__,
-                )
+                if self.pending:
+                    self.log.warning(
+                        "leaving with %d result(s) the coordinator did not hear of in %.0fs "
+                        "(%s): it gives them to other hosts at their deadlines, or sooner if "
+                        "others are idle",
+                        len(self.pending),
+                        max(1.0, timeout),
+                        type(exc).__name__,
+                    )
+                else:  # all was said but the goodbye: "0 result(s)" read as a loss
+                    self.log.info(
+                        "leaving without a goodbye (%s): the coordinator counts this host "
+                        "gone once it has not heard from it for a while",
+                        type(exc).__name__,
+                    )
         self.stats.vanished += len(self.queue) + len(self.pending)
         self.queue.clear()
         self.pending.clear()

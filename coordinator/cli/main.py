@@ -874,6 +874,10 @@ def _host_said(reply: dict, done: str, unchanged: str) -> str:
 def _host_path(host: str, action: str) -> str:
     import urllib.parse
 
+    if not host.strip():
+        # The path would have no host in it: the coordinator's answer was "404: Not Found".
+        raise click.BadParameter("is empty: give a host's id or its name", param_hint="HOST")
+
     return f"/v1/admin/hosts/{urllib.parse.quote(host, safe='')}/{action}"
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import logging
 import time
 from collections.abc import Callable
 from typing import Any
@@ -701,3 +702,22 @@ async def test_back_from_a_pause_a_volunteer_asks_before_it_computes_what_it_hel
     assert any(ask.get("paused") for ask in coordinator.asks)
     assert loop.stats.aborted == 2 and loop.stats.tiles == 1
     assert set(coordinator.reported) == {"r0"}
+
+
+class GoneAway(NothingAfterTwoTiles):
+    """A coordinator that stopped answering: every call fails as a refused connection."""
+
+    async def request_work(self, request_id: str, **message: Any) -> dict[str, Any]:
+        raise ConnectionRefusedError("Connection refused")
+
+
+async def test_leaving_a_coordinator_that_is_gone_with_nothing_to_report_loses_nothing(caplog):
+    """The goodbye alone failed, and the log said it left with "0 result(s)" unheard of."""
+    caplog.set_level(logging.INFO)
+    loop = SlowTiles(GoneAway(), name="v", cache=BlobCache(1 << 20), gflops=1e-6)  # type: ignore[arg-type]
+    await loop.leave(graceful=True, timeout=0.05)
+    said = [r.getMessage() for r in caplog.records]
+    assert not any("did not hear of" in line for line in said), said
+    assert any(
+        line.startswith("leaving without a goodbye (ConnectionRefusedError)") for line in said
+    )
