@@ -505,3 +505,10 @@ def test_volunteer_status_of_a_damaged_status_file_still_says_it_does_not_run(tm
     said = tilehive("volunteer", "status", "--state-dir", str(state))
     assert said.returncode == 3 and "Traceback" not in said.stderr, said.stderr
     assert said.stdout.startswith("not running")
+
+
+def test_admin_refuses_an_empty_host_before_asking_the_coordinator():
+    """The path had no host in it, and the coordinator answered "404: Not Found"."""
+    for action in ("quarantine", "release"):
+        said = tilehive("admin", action, "http://127.0.0.1:9", " ", "--token", "x")
+        assert said.returncode == 2 and "Invalid value for HOST: is empty" in said.stderr
