@@ -739,7 +739,13 @@ def status_lines(where: str, s: dict) -> list[str]:
     hosts = s.get("host_states", {})
     wus = ", ".join(f"{n} {k}" for k, n in sorted(s.get("workunits", {}).items())) or "none"
     in_flight = s.get("results", {}).get("in_progress", 0)
-    lines = [f"{where}: step {t.get('step', 0)} of {steps}{loss}{val}"]
+    step = t.get("step", 0)
+    lowered = (
+        f" (project.toml's steps lowered to {steps} after step {step} was trained)"
+        if isinstance(steps, int) and step > steps
+        else ""
+    )
+    lines = [f"{where}: step {step} of {steps}{loss}{val}{lowered}"]
     if t.get("done"):
         lines.append("training finished: every step is done")
     seconds, cpu = t.get("seconds"), t.get("cpu_seconds")
