@@ -509,6 +509,9 @@ VALIDATION_STATES = [s.value for s in ValidateState] + ["no_quorum"]
 # What --failures keeps: evidence that something went wrong, not the normal flow.
 TASK_FAILURES = frozenset({"client_error", "no_reply", "error", "invalid", "cancelled"})
 VALIDATION_FAILURES = frozenset({"invalid", "no_quorum"})
+# The HOST column of `logs validation`: wide enough that the default names of two volunteers
+# on one machine ("lab-pc/volunteer1", "lab-pc/volunteer2") differ, cut at 12 before.
+HOST = 20
 
 log_filters = [
     option(
@@ -661,14 +664,14 @@ def logs_validation(directory, step, host, since, follow, failures, as_json, sta
         trust = f"{e['trust_before']}->{e['trust_after']}" if "trust_before" in e else "-"
         click.echo(
             f"{_clock(e['time'])}  {e['step'] if e['step'] is not None else '-':>4}  "
-            f"{short_workunit_id(e['wu_id'] or ''):12}  {str(e['host'] or '-')[:12]:12} "
-            f"{e.get('method', '-'):9} {e['state']:12} {trust:9} {e['message']}"
+            f"{short_workunit_id(e['wu_id'] or ''):12}  {str(e['host'] or '-')[:HOST]:{HOST}} "
+            f"{e.get('method', '-'):9} {e['state']:12} {trust:11} {e['message']}"
         )
 
     if not as_json:
         click.echo(
-            f"{'TIME':8}  {'STEP':>4}  {'WU':12}  {'HOST':12} {'METHOD':9} "
-            f"{'OUTCOME':12} {'TRUST':9} REASON"
+            f"{'TIME':8}  {'STEP':>4}  {'WU':12}  {'HOST':{HOST}} {'METHOD':9} "
+            f"{'OUTCOME':12} {'TRUST':11} REASON"
         )
     for event in events:
         emit(event)
