@@ -53,6 +53,10 @@ class NotStarted(InspectError):
     """A project no coordinator has run yet: no history, though there will be."""
 
 
+class NoSuchHost(InspectError):
+    """No host has registered under this name (yet: a follower may wait for it)."""
+
+
 class ProjectView:
     """A project's tasks, events and status, shaped for `tilehive logs` and `status`; the
     reading itself is the state package's ProjectReader."""
@@ -92,7 +96,7 @@ class ProjectView:
             return int(host)
         ids = self.reader.host_ids_named(host)
         if not ids:
-            raise InspectError(f"no host named {host!r}")
+            raise NoSuchHost(f"no host named {host!r}")
         if len(ids) > 1:
             # Anyone may register a name: the newest of them is not the one meant.
             listed = ", ".join(map(str, sorted(ids)))

@@ -427,12 +427,27 @@ def _since(value: str | None) -> float | None:
         raise click.BadParameter(str(exc), param_hint="--since") from exc
 
 
+def _not_yet(exc: Exception, follow: bool) -> tuple[list, int]:
+    """Nothing to list for a --host no host has registered as yet: an error, or (following)
+    said once on stderr, and followed until it registers."""
+    if not follow:
+        raise click.ClickException(str(exc)) from exc
+    click.echo(f"-- {exc} yet; following until one registers --", err=True)
+    return [], 0
+
+
 def _follow(view, kinds, after, emit, filters, only=None) -> None:
     """Print new events as they are committed, until Ctrl-C; `only`: just these states."""
+    from coordinator.cli.logs import NoSuchHost
+
     click.echo("-- following new events; Ctrl-C to stop --", err=True)
     try:
         while True:
-            for event in view.events(kinds=kinds, after=after, **filters):
+            try:
+                new = view.events(kinds=kinds, after=after, **filters)
+            except NoSuchHost:
+                new = []  # not registered yet (said once, before)
+            for event in new:
                 if only is None or event["state"] in only:
                     emit(event)
                 after = event["id"]
@@ -560,6 +575,7 @@ def logs_tasks(
     """Work units and their results: where each tile went and what became of it."""
     import json
 
+    from coordinator.cli.logs import NoSuchHost
     from coordinator.engine.retention import WORKUNITS_ARCHIVE
 
     given = click.get_current_context().get_parameter_source("by_step")
@@ -580,6 +596,8 @@ def logs_tasks(
         rows, total = view.tasks_counted(
             step=step, state=state, host=host, since=_since(since), limit=limit
         )
+    except NoSuchHost as exc:
+        rows, total = _not_yet(exc, follow)
     except ValueError as exc:
         raise click.ClickException(str(exc)) from exc
     if as_json:
@@ -639,6 +657,7 @@ def logs_validation(directory, step, host, since, follow, failures, as_json, sta
     """Every validation decision: method, outcome, the reason with its numbers, host trust."""
     import json
 
+    from coordinator.cli.logs import NoSuchHost
     from coordinator.engine.retention import EVENTS_ARCHIVE
 
     _failures_or_state(failures, state)
@@ -654,6 +673,8 @@ def logs_validation(directory, step, host, since, follow, failures, as_json, sta
             since=_since(since),
             limit=limit,
         )
+    except NoSuchHost as exc:
+        events, total = _not_yet(exc, follow)
     except ValueError as exc:
         raise click.ClickException(str(exc)) from exc
 

@@ -411,21 +411,26 @@ async def test_logs_follow_one_line_per_step(worked):
 
 
 async def test_logs_follow_waits_for_a_coordinator_that_has_not_run_yet(tmp_path, reaper):
-    """An operator may start the follower first: it ended with an error instead."""
+    """An operator may start the follower first, before the coordinator and the host it asks
+    about: it ended with an error instead."""
     project = tmp_path / "project"
     projects.create(project, **{**SMALL, "training.steps": 1, "work.policy": "freivalds"})
 
     async def line(stream) -> str:
         return await asyncio.wait_for(asyncio.to_thread(stream.readline), 120)
 
-    with following("logs", "validation", str(project), "--follow") as follower:
+    with following("logs", "validation", str(project), "--follow", "--host", "late") as follower:
         assert "waiting for its first" in await line(follower.stderr)
         coordinator = reaper(start_coordinator(project, "127.0.0.1:0", tmp_path / "c.log"))
-        reaper(start_volunteer(first_url(coordinator), tmp_path / "v0"))
-        while "following new events" not in await line(follower.stderr):
+        # and then for the host it asks about, which has not registered yet either
+        while "no host named 'late' yet; following until one registers" not in (
+            await line(follower.stderr)
+        ):
             pass
-        while " freivalds valid " not in await line(follower.stdout):
+        reaper(start_volunteer(first_url(coordinator), tmp_path / "v0", "--name", "late"))
+        while " late " not in (said := await line(follower.stdout)):
             pass
+        assert " freivalds valid " in said
     nothing = tilehive("logs", "tasks", str(project.parent / "elsewhere"))
     assert nothing.returncode == 1 and "is not a project" in nothing.stderr
 
