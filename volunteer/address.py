@@ -50,7 +50,8 @@ def check_url(url: str) -> str:
         raise ValueError(f"{url!r} has a query or a fragment: {EXAMPLE}")
     if "/v1/" in parts.path + "/":
         # The API's own path (copied from protocol.md or the browser): its paths go after it.
-        base = url[: url.index("/v1")]
+        prefix = parts.path[: (parts.path + "/").index("/v1/")]
+        base = f"{parts.scheme}://{parts.netloc}{prefix}"
         raise ValueError(f"{url!r} is a path of the coordinator's API: give its base URL, {base}")
     return url.rstrip("/")
 
