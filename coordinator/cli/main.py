@@ -859,12 +859,7 @@ def _admin_call(url: str, path: str, project_dir: Path | None, admin_token: str 
 def pause(url, project_dir, admin_token) -> None:
     """Hand out no new work (work in progress is still accepted)."""
     reply = _admin_call(url, "/v1/admin/pause", project_dir, admin_token)
-    if reply.get("changed", True):
-        click.echo("paused")
-    elif reply.get("finished") and not reply.get("paused"):
-        click.echo("the project is finished, every step done: nothing to pause")
-    else:
-        click.echo("was paused already: nothing changed")
+    click.echo("paused" if reply.get("changed", True) else "was paused already: nothing changed")
 
 
 @admin.command()

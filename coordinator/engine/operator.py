@@ -26,9 +26,8 @@ class Operator:
 
     async def set_paused(self, paused: bool, now: float) -> bool:
         """Hand out no new work (results in progress are still accepted), or resume.
-        Returns whether that changed anything (a second pause does not, nor a pause of a
-        finished project: there is no work to hold back, and status would say both)."""
-        if self.requests.paused == paused or (paused and self.requests.finished):
+        Returns whether that changed anything (a second pause does not)."""
+        if self.requests.paused == paused:
             return False
         self.requests.paused = paused
         state = "paused" if paused else "resumed"

@@ -459,9 +459,7 @@ async def admin_coordinator(request: web.Request) -> Coordinator:
 async def admin_pause(request: web.Request) -> web.Response:
     co = await admin_coordinator(request)
     changed = await co.operator.set_paused(request.match_info["action"] == "pause", time.time())
-    return msgpack_response(
-        {"paused": co.paused, "changed": changed, "finished": co.requests.finished}
-    )
+    return msgpack_response({"paused": co.paused, "changed": changed})
 
 
 async def admin_host(request: web.Request) -> web.Response:

@@ -233,10 +233,6 @@ def test_status_from_the_running_coordinator_and_from_the_files_agree(tmp_path, 
     assert from_url["cpu_seconds"] > 0
     said = tilehive("status", url).stdout
     assert re.search(r"last step: \d+\.\d{3} s, \d+\.\d{3} s of the training process.s CPU", said)
-    # Nothing to hold back once every step is done: status said "finished" and "PAUSED".
-    paused = tilehive("admin", "pause", url, "--project", str(project))
-    assert paused.returncode == 0 and "the project is finished" in paused.stdout
-    assert "PAUSED" not in tilehive("status", url).stdout and not status_of(url)["paused"]
 
 
 @pytest.mark.parametrize("stop_signal", [signal.SIGINT, signal.SIGHUP], ids=["ctrl-c", "hangup"])
