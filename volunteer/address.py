@@ -48,12 +48,26 @@ def check_url(url: str) -> str:
         )
     if parts.query or parts.fragment or url.endswith(("?", "#")):
         raise ValueError(f"{url!r} has a query or a fragment: {EXAMPLE}")
-    if "/v1/" in parts.path + "/":
+    if (api := _api_path(parts.path)) is not None:
         # The API's own path (copied from protocol.md or the browser): its paths go after it.
-        prefix = parts.path[: (parts.path + "/").index("/v1/")]
-        base = f"{parts.scheme}://{parts.netloc}{prefix}"
+        base = f"{parts.scheme}://{parts.netloc}{parts.path[:api]}"
         raise ValueError(f"{url!r} is a path of the coordinator's API: give its base URL, {base}")
     return url.rstrip("/")
+
+
+# The first segment after /v1 of each of the API's paths (docs/protocol.md).
+API_PATHS = frozenset({"hosts", "work", "results", "blobs", "status", "admin"})
+
+
+def _api_path(path: str) -> int | None:
+    """Where in `path` the API's own part starts (`/v1`, alone or before one of its paths),
+    or None. A prefix a reverse proxy serves the coordinator under may hold a `v1` of its
+    own (`/v1/tilehive`): only what the API would append is refused."""
+    segments = path.rstrip("/").split("/")
+    for i in range(len(segments) - 1, 0, -1):
+        if segments[i] == "v1" and (i == len(segments) - 1 or segments[i + 1] in API_PATHS):
+            return len("/".join(segments[:i]))
+    return None
 
 
 def is_loopback_url(url: str) -> bool:

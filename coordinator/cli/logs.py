@@ -52,6 +52,13 @@ def parse_since(value: str | None, now: float | None = None) -> float | None:
 class NotStarted(InspectError):
     """A project no coordinator has run yet: no history, though there will be."""
 
+    @classmethod
+    def of(cls, directory: Path) -> NotStarted:
+        return cls(
+            f"{directory} is a project whose coordinator has not run yet: "
+            f"nothing to show before `tilehive coordinator {quote(str(directory))}`"
+        )
+
 
 class NoSuchHost(InspectError):
     """No host has registered under this name (yet: a follower may wait for it)."""
@@ -76,14 +83,15 @@ class ProjectView:
                     f"`tilehive status {quote(str(self.directory))}` shows its training"
                 )
             if (self.directory / PROJECT_FILE).exists():
-                raise NotStarted(
-                    f"{self.directory} is a project whose coordinator has not run yet: "
-                    f"nothing to show before `tilehive coordinator {quote(str(self.directory))}`"
-                )
+                raise NotStarted.of(self.directory)
             raise InspectError(
                 f"{self.directory} is not a project (no {PROJECT_FILE}, no state.db)"
             )
         self.reader = ProjectReader(self.db_path)
+        if self.reader.is_new() and not has_trained(self.directory):
+            # Made, but its tables not yet (a coordinator starting): there will be history.
+            self.reader.close()
+            raise NotStarted.of(self.directory)
 
     def close(self) -> None:
         self.reader.close()
@@ -102,6 +110,11 @@ class ProjectView:
             listed = ", ".join(map(str, sorted(ids)))
             raise InspectError(f"{len(ids)} hosts are named {host!r}: give the id ({listed})")
         return ids[0]
+
+    def purged(self, step: int | None) -> bool:
+        """Whether a checkpoint purged this step from the database (to the archive)."""
+        oldest = self.reader.oldest_step()
+        return step is not None and (oldest is None or step < oldest)
 
     def host_names(self) -> dict[int, str]:
         return {r["id"]: r["name"] for r in self.reader.hosts()}

@@ -438,15 +438,20 @@ def _not_yet(exc: Exception, follow: bool) -> tuple[list, int]:
 
 def _follow(view, kinds, after, emit, filters, only=None) -> None:
     """Print new events as they are committed, until Ctrl-C; `only`: just these states."""
-    from coordinator.cli.logs import NoSuchHost
+    from coordinator.cli.logs import InspectError, NoSuchHost
 
     click.echo("-- following new events; Ctrl-C to stop --", err=True)
     try:
         while True:
             try:
+                if filters.get("host") is not None:
+                    # Its id, once a host has the name: a later namesake changes nothing.
+                    filters = {**filters, "host": str(view.host_id(filters["host"]))}
                 new = view.events(kinds=kinds, after=after, **filters)
             except NoSuchHost:
                 new = []  # not registered yet (said once, before)
+            except InspectError as exc:
+                raise click.ClickException(str(exc)) from exc
             for event in new:
                 if only is None or event["state"] in only:
                     emit(event)
@@ -498,13 +503,11 @@ def _cut(
 ) -> None:
     """Say on stderr (not in the output a script reads) that the output was cut, or that
     nothing matched the filters given (a header alone read as a failure to look), and where
-    older steps went: the task log purges a step's work units sooner than its decisions."""
+    a step asked for went (`archive`, when a checkpoint purged it): the task log purges a
+    step's work units sooner than its decisions."""
     if not total and filtered:
-        older = (
-            f"; older steps' are archived in {archive}"
-            if archive is not None and archive.exists()
-            else ""
-        )
+        archived = archive is not None and archive.exists()
+        older = f"; a checkpoint archived the step in {archive}" if archived else ""
         click.echo(f"-- no {what} match{older} --", err=True)
     elif total > shown:
         click.echo(
@@ -584,7 +587,7 @@ def logs_tasks(
         raise click.BadParameter(
             "is for --follow: one line per step as each finishes", param_hint="--by-step"
         )
-    _failures_or_state(failures, state)
+    failures, state = _failures_or_state(failures, state)
     view = _view(directory, follow)
     start = view.last_event_id()
     if follow and by_step:
@@ -618,7 +621,7 @@ def logs_tasks(
                 + (f"  {r['error']}" if r["error"] else "")
             )
     filtered = any(x is not None for x in (step, state, host, since))
-    archive = Path(directory) / "logs" / WORKUNITS_ARCHIVE
+    archive = Path(directory) / "logs" / WORKUNITS_ARCHIVE if view.purged(step) else None
     _cut(len(rows), total, "work units", filtered and not follow, archive)
     if follow:
         emit = (
@@ -633,13 +636,19 @@ def logs_tasks(
         _follow(view, TASK_KINDS, start, emit, filters, only)
 
 
-def _failures_or_state(failures: bool, state: str | None) -> None:
-    """--failures is a set of states itself: with --state too, one of them would be ignored."""
-    if failures and state is not None:
+def _failures_or_state(failures: bool, state: str | None) -> tuple[bool, str | None]:
+    """--failures is a set of states itself: with --state too, one would be ignored. Both
+    typed is refused; one typed wins over the other set in the environment."""
+    if not (failures and state is not None):
+        return failures, state
+    source = click.get_current_context().get_parameter_source
+    typed = click.core.ParameterSource.COMMANDLINE
+    if source("failures") is typed and source("state") is typed:
         raise click.BadParameter(
             "--failures picks the failed states itself: give --failures or --state, not both",
             param_hint="--state",
         )
+    return (True, None) if source("failures") is typed else (False, state)
 
 
 @logs.command("validation")
@@ -660,7 +669,7 @@ def logs_validation(directory, step, host, since, follow, failures, as_json, sta
     from coordinator.cli.logs import NoSuchHost
     from coordinator.engine.retention import EVENTS_ARCHIVE
 
-    _failures_or_state(failures, state)
+    failures, state = _failures_or_state(failures, state)
     view = _view(directory, follow)
     start = view.last_event_id()
     states = VALIDATION_FAILURES if failures else ({state} if state else None)
@@ -697,7 +706,7 @@ def logs_validation(directory, step, host, since, follow, failures, as_json, sta
     for event in events:
         emit(event)
     filtered = any(x is not None for x in (step, states, host, since))
-    archive = Path(directory) / "logs" / EVENTS_ARCHIVE
+    archive = Path(directory) / "logs" / EVENTS_ARCHIVE if view.purged(step) else None
     _cut(len(events), total, "decisions", filtered and not follow, archive)
     if follow:
         after = max(events[-1]["id"], start) if events else start

@@ -83,7 +83,7 @@ def holder(directory: Path | str) -> dict | None:
     pid = found.get("pid")
     if not isinstance(pid, int) or pid <= 0:
         return None
-    held = _flocked(info, pid)
+    held = _flocked(info)
     if held is not None:
         return found if held else None
     try:
@@ -95,21 +95,22 @@ def holder(directory: Path | str) -> dict | None:
     return found
 
 
-def _flocked(info: os.stat_result, pid: int) -> bool | None:
+def _flocked(info: os.stat_result) -> bool | None:
     """Whether some process holds a flock on the file `info` describes, from Linux's
-    /proc/locks; None where it cannot be read. A line names the file by device and inode;
-    on an overlay the device may be the layer's, so the holder's pid names it too."""
+    /proc/locks; None where it cannot be read. A line names the file by device and inode,
+    matched on the inode alone: on an overlay or a btrfs subvolume the device may be another
+    than stat says (and the holder's pid another, in a container's namespace). Another file
+    of the same inode number on another device, flocked too, would read as held."""
     try:
         with open("/proc/locks", encoding="ascii", errors="replace") as table:
             lines = table.read().splitlines()
     except OSError:
         return None
-    device = f"{os.major(info.st_dev):02x}:{os.minor(info.st_dev):02x}:{info.st_ino}"
     for line in lines:
         fields = line.split()
         if len(fields) < 6 or fields[1] != "FLOCK":
             continue  # a POSIX lock, or a process waiting for one ("1: -> FLOCK ...")
-        if fields[5] == device or (fields[5].endswith(f":{info.st_ino}") and fields[4] == str(pid)):
+        if fields[5].endswith(f":{info.st_ino}"):
             return True
     return False
 

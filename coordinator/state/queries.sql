@@ -154,6 +154,14 @@ SELECT (SELECT COUNT(*) FROM results WHERE validate_state = 'invalid')
 
 -- Read-only queries: reader.py, for `tilehive logs`, `tilehive status` and the demo summary.
 
+-- name: count_tables
+-- 0: a coordinator has made the file but not yet its tables (or was killed in between).
+SELECT COUNT(*) AS n FROM sqlite_master WHERE type = 'table';
+
+-- name: select_oldest_step
+-- The steps before it were purged by a checkpoint (archived under DIR/logs), or never ran.
+SELECT MIN(step) AS n FROM workunits;
+
 -- name: select_host_ids_named
 SELECT id FROM hosts WHERE name = :name ORDER BY id;
 

@@ -67,6 +67,14 @@ class ProjectReader:
                 ) from exc
             raise
 
+    def is_new(self) -> bool:
+        """No table yet: a coordinator starting this very moment, not a damaged file."""
+        return self._db.execute(self._sql["count_tables"]).fetchone()["n"] == 0
+
+    def oldest_step(self) -> int | None:
+        """The oldest step with work units still in the database, or None."""
+        return self._rows("select_oldest_step")[0]["n"]
+
     # ---- hosts -------------------------------------------------------------------------
 
     def host_ids_named(self, name: str) -> list[int]:

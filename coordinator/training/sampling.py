@@ -42,6 +42,7 @@ def generate(project: Project, prompt: str, length: int, temperature: float, see
         else:
             # Shifted before the division: the logits over a temperature near zero (1e-320)
             # overflow to inf, and inf - inf is NaN; shifted, they fall to -inf, which is 0.
-            p = softmax_rows((row - row.max()) / temperature)
+            with np.errstate(over="ignore"):  # to -inf, on purpose
+                p = softmax_rows((row - row.max()) / temperature)
             tokens.append(int(rng.choice(len(p), p=p)))
     return printable(bytes(tokens).decode("utf-8", errors="replace"))

@@ -373,17 +373,25 @@ async def test_logs_show_the_newest_and_say_when_they_cut(worked):
         # --failures is states of its own: one of the two was silently ignored
         both = tilehive("logs", command, str(project), "--failures", "--state", state)
         assert both.returncode == 2 and "give --failures or --state, not both" in both.stderr
+        # One typed wins over the other set in the environment for every call
+        typed = tilehive("logs", command, str(project), "--state", state, "--json",
+                         env={"TILEHIVE_FAILURES": "1"})  # fmt: skip
+        assert typed.returncode == 0 and typed.stdout, typed.stderr
+        assert {json.loads(x)["state"] for x in typed.stdout.splitlines()} == {state}
     # A filter that matches nothing says so; a header alone read as a failure to look.
     none = tilehive("logs", "tasks", str(project), "--step", "99")
     assert none.returncode == 0 and len(none.stdout.splitlines()) == 1
     assert "-- no work units match --" in none.stderr
-    # A step purged by a checkpoint: its decisions outlive its work units for a minute, and
-    # an empty answer for a step `logs validation` shows read as lost history.
+    # A step purged by a checkpoint (here step 0, before the oldest held): its decisions
+    # outlive its work units for a minute, and an empty answer read as lost history.
     archive = project / "logs" / "workunits.jsonl.gz"
     archive.parent.mkdir(exist_ok=True)
     archive.write_bytes(gzip.compress(b""))
-    purged = tilehive("logs", "tasks", str(project), "--step", "99")
-    assert f"-- no work units match; older steps' are archived in {archive} --" in purged.stderr
+    purged = tilehive("logs", "tasks", str(project), "--step", "0")
+    said = f"-- no work units match; a checkpoint archived the step in {archive} --"
+    assert said in purged.stderr
+    later = tilehive("logs", "tasks", str(project), "--step", "99")  # not run yet: not archived
+    assert "-- no work units match --" in later.stderr
     none = tilehive("logs", "validation", str(project), "--step", "99")
     assert none.returncode == 0 and len(none.stdout.splitlines()) == 1
     assert "-- no decisions match --" in none.stderr
@@ -413,7 +421,9 @@ async def test_logs_follow_waits_for_a_coordinator_that_has_not_run_yet(tmp_path
     projects.create(project, **{**SMALL, "training.steps": 1, "work.policy": "freivalds"})
 
     async def line(stream) -> str:
-        return await asyncio.wait_for(asyncio.to_thread(stream.readline), 120)
+        said = await asyncio.wait_for(asyncio.to_thread(stream.readline), 120)
+        assert said, "the follower ended"  # at its end, readline answers "" at once
+        return said
 
     with following("logs", "validation", str(project), "--follow", "--host", "late") as follower:
         assert "waiting for its first" in await line(follower.stderr)

@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import ast
+import sqlite3
 from pathlib import Path
 
 import pytest
 
-from coordinator.cli.logs import InspectError, ProjectView
+from coordinator.cli.logs import InspectError, NotStarted, ProjectView
 from coordinator.state.reader import ProjectReader
 from coordinator.state.sqlite import SqliteStore, load_queries
 from coordinator.state.store import Batch
@@ -143,3 +144,12 @@ async def test_logs_refuse_a_host_name_two_hosts_share_rather_than_pick_the_newe
             view.host_id("alice")
     finally:
         view.close()
+
+
+def test_a_database_whose_tables_are_not_made_yet_is_a_project_not_started(tmp_path):
+    """What a starting coordinator leaves for an instant (WAL mode set, no table yet): a
+    follower started first opened it then, and called it damaged, saying to move it away."""
+    with sqlite3.connect(tmp_path / "state.db") as db:
+        db.execute("PRAGMA journal_mode=WAL")
+    with pytest.raises(NotStarted, match="coordinator has not run yet"):
+        ProjectView(tmp_path)

@@ -74,13 +74,3 @@ async def test_a_failed_connection_says_where_and_why():
             port = closed6.getsockname()[1]
         said = await _failure_of(f"http://[::1]:{port}/")
         assert f"[::1]:{port}: Connection refused" in said
-
-
-def test_a_url_is_taken_without_the_spaces_around_it_and_refused_with_one_inside():
-    from volunteer.address import check_url
-
-    assert check_url("  http://127.0.0.1:8470/\n") == "http://127.0.0.1:8470"
-    assert check_url("http://[::1]:8470/a%20b?x=1") == "http://[::1]:8470/a%20b?x=1"
-    for bad in ("http://127.0.0.1:8470/a b", "http://x:1/\nY=1", "http://x:1/\\", "http://x\t:1"):
-        with pytest.raises(ValueError, match="a space, a backslash or a control character"):
-            check_url(bad)
