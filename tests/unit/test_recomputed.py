@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import logging
 
+import pytest
+
 from coordinator.engine.recovery import Recomputed
 from coordinator.work.records import Gemm, Policy
 
@@ -12,19 +14,23 @@ def gemm_record(step: int, gid: str) -> Gemm:
     return Gemm(gid * 64, step, "l0", 16, 16, 4, False, False, 4, "a" * 64, "b" * 64, Policy.QUORUM)
 
 
+def gemms(*steps: int) -> list[Gemm]:
+    """A product record of each step, with ids a, b, c..."""
+    return [gemm_record(step, "abcdefgh"[i]) for i, step in enumerate(steps)]
+
+
+@pytest.fixture
+def recomputed(caplog) -> Recomputed:
+    caplog.set_level(logging.INFO, logger="coordinator.engine.recovery")
+    return Recomputed()
+
+
 def said(caplog) -> list[str]:
     return [r.getMessage().split(" (blobs")[0] for r in caplog.records]
 
 
-def test_each_step_is_said_once_when_the_next_begins_and_the_last_at_the_end(caplog):
-    caplog.set_level(logging.INFO, logger="coordinator.engine.recovery")
-    recomputed = Recomputed()
-    first, second, later, dropped = (
-        gemm_record(step=3, gid="a"),
-        gemm_record(step=3, gid="b"),
-        gemm_record(step=4, gid="c"),
-        gemm_record(step=4, gid="d"),
-    )
+def test_each_step_is_said_once_when_the_next_begins_and_the_last_at_the_end(recomputed, caplog):
+    first, second, later, dropped = gemms(3, 3, 4, 4)
     for gemm, tiles in ((first, 2), (second, 3), (later, 1), (dropped, 5)):
         for _ in range(tiles):
             recomputed.tile(gemm.id)
@@ -41,16 +47,11 @@ def test_each_step_is_said_once_when_the_next_begins_and_the_last_at_the_end(cap
     assert len(said(caplog)) == 2
 
 
-def test_products_whose_panels_were_stored_again_are_counted_in_their_steps_line(caplog):
+def test_products_whose_panels_were_stored_again_are_counted_in_their_steps_line(
+    recomputed, caplog
+):
     """A restart logged a line per product and micro-batch (310 after one kill)."""
-    caplog.set_level(logging.INFO, logger="coordinator.engine.recovery")
-    recomputed = Recomputed()
-    both, panels_only, dropped, later = (
-        gemm_record(step=7, gid="a"),
-        gemm_record(step=7, gid="b"),
-        gemm_record(step=7, gid="c"),
-        gemm_record(step=8, gid="d"),
-    )
+    both, panels_only, dropped, later = gemms(7, 7, 7, 8)
     recomputed.tile(both.id)
     for gemm in (both, panels_only, dropped, later):
         recomputed.panels(gemm.id)
