@@ -115,10 +115,11 @@ async def test_a_coordinator_killed_mid_step_resumes_bitwise_equal(tmp_path, rea
     said = log.read_text()
     assert "resuming after step" in said
     # Step 3's blobs were held in memory when the coordinator was killed: they are made
-    # again, and the log says why once, not once a product.
+    # again, and the log says why once, and what was made again in a line a step.
     recovered = [line for line in said.splitlines() if "gone;" in line]
     assert sum("expected after a stop" in line for line in recovered) == 1, recovered[:5]
-    assert len(recovered) > 1
+    steps = [re.search(r" step (\d+): ", line).group(1) for line in recovered]
+    assert "3" in steps and len(steps) == len(set(steps)), recovered
     # The volunteers talked to each coordinator through its local socket: the killed one's
     # name reached nothing, so they went back to TCP and took the new one's.
     names = re.findall(r"through the local socket @(tilehive-\w+)", said)
