@@ -113,8 +113,10 @@ class ProjectView:
 
     def purged(self, step: int | None) -> bool:
         """Whether a checkpoint purged this step from the database (to the archive)."""
+        if step is None:
+            return False
         oldest = self.reader.oldest_step()
-        return step is not None and (oldest is None or step < oldest)
+        return oldest is None or step < oldest
 
     def host_names(self) -> dict[int, str]:
         return {r["id"]: r["name"] for r in self.reader.hosts()}

@@ -37,8 +37,8 @@ def no_host_states() -> dict[str, int]:
 def eta(summary: dict) -> tuple[float | None, str]:
     """The time left, as status and the dashboard show it: (seconds, "") while training
     flows, or (None, why there is none): done, paused, no coordinator (nor `train --local`)
-    running, work waiting
-    (the step times of before say nothing of when it flows again), or no step timed yet."""
+    running, work waiting (the step times of before say nothing of when it flows again), or
+    no step timed yet."""
     training = summary.get("training") or {}
     if training.get("done"):
         return None, "done"
