@@ -514,10 +514,10 @@ def status(state_dir: Path, as_json: bool) -> None:
         _say_status(pid, saved, state_dir, as_json)
     except (KeyError, TypeError, ValueError) as exc:  # a field missing or of another type
         # Said as a status, not an error: whether it runs is known, and exit 3 keeps its meaning.
-        where = state.status_file if state is not None else state_dir
+        # (Only a saved status can be damaged, so there is a state directory.)
         click.echo(
-            f"{f'running (pid {pid})' if pid else 'not running'}; {where} is not a status "
-            f"this volunteer wrote (damaged?): {type(exc).__name__} {exc}"
+            f"{f'running (pid {pid})' if pid else 'not running'}; {state.status_file} is not "
+            f"a status this volunteer wrote (damaged?): {type(exc).__name__} {exc}"
         )
     if pid is None:
         sys.exit(3)

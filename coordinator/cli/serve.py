@@ -28,7 +28,7 @@ from coordinator.state import integrity
 from coordinator.state.lock import ProjectLock
 from coordinator.state.sqlite import SqliteStore
 from coordinator.training import checkpoints, history
-from coordinator.training.project import Project
+from coordinator.training.project import PROJECT_FILE, Project
 from coordinator.training.trainer import StepReport, Trainer
 from kernels.malloc import keep_freed_memory
 
@@ -204,7 +204,7 @@ async def _train(
     if (checkpoints.latest(project.checkpoints) or 0) >= steps:
         announce(
             f"nothing to do: all {steps} steps are done already (raise training.steps in "
-            f"{project.directory / 'project.toml'} to train more)"
+            f"{project.directory / PROJECT_FILE} to train more)"
         )
 
     def on_step(report: StepReport) -> None:

@@ -248,7 +248,8 @@ class MemoryStore(QueryStore):
         purged = self.tables["purged"]
         for w in self.tables["workunits"].values():
             if w["step"] <= step:
-                purged[_counted(w)] = purged.get(_counted(w), 0) + 1
+                state = _counted(w)
+                purged[state] = purged.get(state, 0) + 1
 
     def add_purged_invalid_run(self, step: int) -> None:
         wus = self.tables["workunits"]
