@@ -42,6 +42,9 @@ from volunteer.session import NETWORK, ProjectFinished, Quarantined, Stopping, w
 log = logging.getLogger(__name__)
 
 DEFAULT_REAL_FLOPS = 64e6  # tiles up to this many flops are computed by each host itself
+# Tiles up to this many flops compute on the event loop (tens of microseconds at most): the
+# hop to a pool thread and back would cost more, as in the daemon (policy.computes_inline).
+INLINE_FLOPS = 1e6
 SHARED_BLOB_BYTES = 256 * MB  # operand bytes kept for all hosts together
 SHARED_TILE_BYTES = 256 * MB  # modelled tiles kept for their replicas
 UNLIMITED_CACHE = 256 * MB  # the operand cache of a host without a memory limit
@@ -515,6 +518,8 @@ class Emulation:
         loop = asyncio.get_running_loop()
         if flops <= self.real_flops:
             self.totals.counts["tiles_real"] += 1
+            if flops <= INLINE_FLOPS:
+                return timed_tile(assignment, a, b)
             return await loop.run_in_executor(self.pool, timed_tile, assignment, a, b)
         self.totals.counts["tiles_modelled"] += 1
         wu = assignment["wu_id"]

@@ -149,19 +149,28 @@ async def test_a_host_does_not_count_the_wait_for_the_shared_pool_as_its_compute
             seed=0, invite=None, name_prefix="t", stop_timeout=1.0, long_poll=False,
         )  # fmt: skip
         host = emulation.new_host(0, 0)
-        a = kernels.encode_array(np.ones((16, 16), np.float32))
-        tile = {"m": 16, "n": 16, "k": 16, "trans_a": 0, "trans_b": 0, "wu_id": "w"}
+        a = kernels.encode_array(np.ones((128, 128), np.float32))  # 4 MFLOP: on the pool
+        tile = {"m": 128, "n": 128, "k": 128, "trans_a": 0, "trans_b": 0, "wu_id": "w"}
         release = threading.Event()
         emulation.pool.submit(release.wait)  # the crowd's tiles ahead of this one
-        computing = asyncio.ensure_future(host._kernel(tile, a, a))
-        queued = time.monotonic()
-        await asyncio.sleep(0.3)  # the tile waits in the pool's queue meanwhile
-        release.set()
+        try:
+            computing = asyncio.ensure_future(host._kernel(tile, a, a))
+            queued = time.monotonic()
+            await asyncio.sleep(0.3)  # the tile waits in the pool's queue meanwhile
+            assert not computing.done()
+            # A tile of microseconds computes at once, on the event loop, as the daemon's
+            # does: the hop to the pool and back would cost more than the tile.
+            small = kernels.encode_array(np.ones((8, 4), np.float32))
+            tiny = {"m": 4, "n": 4, "k": 8, "trans_a": 1, "trans_b": 0, "wu_id": "t"}
+            _, tiny_blob, _ = await asyncio.wait_for(host._kernel(tiny, small, small), 5)
+        finally:
+            release.set()
         output_hash, blob, seconds = await computing
         waited = time.monotonic() - queued
         emulation.pool.shutdown()
+    assert np.array_equal(kernels.decode_array(tiny_blob), np.full((4, 4), 8, np.float32))
     assert output_hash == kernels.blob_id(blob)
-    assert np.array_equal(kernels.decode_array(blob), np.full((16, 16), 16, np.float32))
+    assert np.array_equal(kernels.decode_array(blob), np.full((128, 128), 128, np.float32))
     assert waited >= 0.3 and seconds < 0.1, (waited, seconds)
     # The emulation itself still says that it fell behind its hosts' model.
     assert emulation.totals.overrun >= 0.3
