@@ -52,6 +52,10 @@ class Operator:
             # no wait and no probation.
             changed = changed.evolve(invalid_count=0, consecutive_valid=0, max_in_progress=1)
             self.requests.cooling.forget(host_id)
+            # What the quarantine took back from it counts as given back, which would bar
+            # it from that work for good: with two volunteers and a quorum of two, the work
+            # waited for a third one for ever (found by a review).
+            self.requests.forgive_give_backs(host_id)
         self.ledger.put_host(changed)
         state = "quarantined" if quarantined else "released"
         log.warning("host %d %s by the operator", host_id, state)
@@ -59,6 +63,8 @@ class Operator:
             [Event(now, "host", state, f"host {host_id} {state} by the operator", host_id=host_id)]
         )
         await self.ledger.flush()
+        if not quarantined:
+            self.requests.signal_work()
         return changed
 
     async def cancel_step(self, step: int, now: float) -> dict[str, int]:

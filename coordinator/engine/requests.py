@@ -244,7 +244,7 @@ class WorkRequests:
             # Nothing to plan: what it held it gave back before (a resend would be wrong).
             message = f"host {host.id} {host.name!r} stopped: not waited for until it asks again"
             log.info(message)
-            self._forgive_give_backs(host.id)
+            self.forgive_give_backs(host.id)
             self.ledger.log([Event(now, "host", "left", message, host_id=host.id)])
             return Answer(encode({"assignments": [], "abort": [], "bytes_saved": 0, "delay": 0}))
         if self.finished:
@@ -422,12 +422,13 @@ class WorkRequests:
             return max(told, host.last_contact)
         return max(host.last_contact, self.started) + IDLE_DELAY_CAP
 
-    def _forgive_give_backs(self, host_id: int) -> None:
+    def forgive_give_backs(self, host_id: int) -> None:
         """A host that stops gives back what it held: when it returns (a restart) it may
         take that work again, as after a timeout. A give-back within a session bars its host
         from the replacement (rules/scheduler.py, takes_replacement); across a stop it left
         a project with one volunteer, or a quorum whose other replica another host holds,
-        waiting for that work for ever (found by a review)."""
+        waiting for that work for ever (found by a review). So does a quarantine's
+        take-back, once the operator releases the host (engine/operator.py)."""
         for result in [r for r in self.ledger.results.values() if r.host_id == host_id]:
             wu = self.ledger.wus.get(result.wu_id)
             if given_back(result) and wu is not None and wu.state is WuState.ACTIVE:

@@ -777,6 +777,38 @@ async def test_a_quarantined_hosts_work_goes_to_others_at_once_and_its_reports_a
             await asyncio.wait_for(product, 20)
 
 
+async def test_a_released_host_takes_again_the_work_its_quarantine_took_back(tmp_path, rng):
+    """Two volunteers and a quorum of two: the replica a quarantine took back from one has
+    no other host to go to. Released, that host takes it again and the product finishes
+    (the take-back counted as its own give-back, and the work waited for a third host)."""
+    a, b = operands(rng, 16, 16, 8, False, False)
+    async with running(tmp_path, tile=16, policy=Policy.QUORUM) as (co, queue, url):
+        token = (tmp_path / "project" / "admin.token").read_text().strip()
+        async with CoordinatorClient(url) as suspect, CoordinatorClient(url) as honest:
+            suspect_id = await suspect.register("suspect")
+            await honest.register("honest")
+            product = asyncio.ensure_future(queue.matmul(a, b, step=1, label="w"))
+            await wait_until(lambda: co.ledger.unsent)
+            (held,) = (await suspect.request_work("s1", capacity=1))["assignments"]
+            path = f"/v1/admin/hosts/{suspect_id}"
+            assert (await admin(honest, f"{path}/quarantine", token))[0] == 200
+
+            async def compute_and_report(client: CoordinatorClient, request: str) -> dict:
+                (got,) = (await client.request_work(request, capacity=1, wait=True))["assignments"]
+                tile_a = await client.fetch_blob(got["a"], max_bytes=1 << 20)
+                tile_b = await client.fetch_blob(got["b"], max_bytes=1 << 20)
+                _, tile = compute_tile(got, tile_a, tile_b)
+                await client.report([{"result_id": got["result_id"], "tile": tile}])
+                return got
+
+            mine = await compute_and_report(honest, "o1")
+            assert mine["wu_id"] == held["wu_id"]
+            assert (await admin(honest, f"{path}/release", token))[0] == 200
+            again = await compute_and_report(suspect, "s2")
+            assert again["wu_id"] == held["wu_id"]
+            await asyncio.wait_for(product, 20)
+
+
 async def test_the_open_dashboard_is_made_once_however_many_ask(tmp_path, monkeypatch):
     """Anyone may load the dashboard, and a page costs the event loop milliseconds: asked
     fifty times at once and fifty times in a row, it is made once, not a hundred times."""
