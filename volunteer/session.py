@@ -36,6 +36,11 @@ NETWORK = (aiohttp.ClientError, TimeoutError, OSError)
 TRANSIENT = (*NETWORK, ValueError)
 
 
+# A coordinator's word for a path it has no route for (aiohttp's reason, in the coordinator's
+# {error, message} form); a 404 of its own, for an unknown result or blob, says which.
+NO_ROUTE = "Not Found"
+
+
 class Quarantined(Exception):
     """The coordinator refuses this host (403): its loop ends, as BOINC's client stops."""
 
@@ -147,6 +152,14 @@ class CoordinatorSession:
             except ServerRefused as exc:
                 if not self.heard and exc.code == NOT_TILEHIVE:
                     self._stranger(getattr(exc, "endpoint", endpoint), exc, exc.message)
+                if exc.status == 404 and exc.message == NO_ROUTE:
+                    # A coordinator, but none of its API under the URL's path: asking again
+                    # would never end (a path of a proxy's that is not the coordinator's).
+                    why = (
+                        f"{self.client.url}: the coordinator has nothing at this path (404 Not "
+                        "Found); give the URL it prints ('volunteers connect to ...')"
+                    )
+                    self._stranger(getattr(exc, "endpoint", endpoint), exc, why)
                 await self._refused(getattr(exc, "endpoint", endpoint), exc, stop)
             except TRANSIENT as exc:
                 if not self.heard and (why := await stranger(self.client.url, exc)):

@@ -248,6 +248,24 @@ async def test_max_memory_too_small_is_refused_with_a_clear_message(tmp_path, jo
     process.kill()
 
 
+async def test_a_url_whose_path_has_no_coordinator_behind_it_ends_the_volunteer(tmp_path, job):
+    """A path before the API is kept (a proxy may serve the coordinator under one), so a
+    wrong one reaches the coordinator, which answers 404: one line and exit 1, not retries
+    for ever."""
+    process, url, _, _ = await job([(16, 16, 16, False, False)])
+    wrong = url.rstrip("/") + "/tilehive"
+    result = await asyncio.to_thread(
+        tilehive, "volunteer", "start", wrong, "--state-dir", str(tmp_path / "vol"), timeout=60
+    )
+    assert result.returncode == 1 and "Traceback" not in result.stderr, result.stderr
+    errors = [line for line in result.stderr.splitlines() if line.startswith("Error: ")]
+    assert errors == [
+        f"Error: {wrong}: the coordinator has nothing at this path (404 Not Found); give the "
+        "URL it prints ('volunteers connect to ...')"
+    ], result.stderr
+    process.kill()
+
+
 async def test_peak_memory_computing_512_tiles_stays_under_max_memory(tmp_path, job, reaper):
     process, url, products, output = await job(
         [(1024, 1024, 512, False, False)], "--tile", "512", "--policy", "freivalds"
