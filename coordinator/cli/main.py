@@ -733,7 +733,7 @@ def status(target: str, as_json: bool) -> None:
     if as_json:
         click.echo(json.dumps({**summary, "settings_error": problem} if problem else summary))
     else:
-        for line in status_lines(target, summary):
+        for line in status_lines(target, remote.escaped(summary)):
             click.echo(line)
     if problem:
         # What the files say is shown all the same; a script learns from the exit status

@@ -13,6 +13,7 @@ from typing import Any
 import click
 import msgpack
 
+from coordinator.work.protocol import CONTENT_TYPE, loggable
 from volunteer.address import answer, check_url, not_tilehive
 
 GATEWAY = (502, 503, 504)  # a proxy's word on a coordinator behind it that is down
@@ -68,12 +69,44 @@ def status(url: str, timeout: float = 10) -> dict[str, Any]:
         summary = json.loads(body)
     except ValueError:
         summary = None
+    said = _refusal(content_type, body)
+    if code != 200 and said is not None:
+        # A coordinator's own refusal: a path with nothing behind it (a proxy's prefix that
+        # is not the coordinator's), say; its words, not its msgpack bytes.
+        hint = ": give the URL it prints ('volunteers connect to ...')" if code == 404 else ""
+        raise click.ClickException(f"{url}: the coordinator answered {code} {said}{hint}")
     if code != 200 or not is_status(summary):
         raise click.ClickException(
             strange(url, "GET /v1/status", code, content_type, body)
             + ("" if code != 200 or summary is None else ", not a tilehive status")
         )
     return summary
+
+
+def _refusal(content_type: str, body: bytes) -> str | None:
+    """A coordinator's {error, message} refusal, its message escaped; None for anything
+    else."""
+    if content_type != CONTENT_TYPE:
+        return None
+    try:
+        message = msgpack.unpackb(body)
+    except Exception:
+        return None
+    if not isinstance(message, dict) or not isinstance(message.get("message"), str):
+        return None
+    return loggable(message["message"])
+
+
+def escaped(value: Any) -> Any:
+    """A document from the network with every string in it escaped (protocol.loggable), so
+    that none printed on the operator's terminal can start a line of its own or forge one."""
+    if isinstance(value, str):
+        return loggable(value)
+    if isinstance(value, dict):
+        return {escaped(key): escaped(item) for key, item in value.items()}
+    if isinstance(value, list):
+        return [escaped(item) for item in value]
+    return value
 
 
 def is_status(summary: Any) -> bool:
@@ -96,6 +129,7 @@ def admin_reply(url: str, request: str, code: int, content_type: str, body: byte
         message = None
     if not isinstance(message, dict):
         raise click.ClickException(strange(url, request, code, content_type, body))
+    message = escaped(message)
     if code >= 400:
         raise click.ClickException(f"{code}: {message.get('message', '')}")
     return message

@@ -15,6 +15,7 @@ import subprocess
 import threading
 from collections.abc import Iterator
 
+import msgpack
 import pytest
 
 from kernels import frames
@@ -382,6 +383,33 @@ def test_status_and_admin_name_another_web_server(answer, said):
         assert line.startswith(f"Error: {url} {NOT_TILEHIVE}: GET /v1/status answered {said}")
         line = one_line_error(tilehive("admin", "pause", url, "--token", "x"))
         assert line.startswith(f"Error: {url} {NOT_TILEHIVE}: POST /v1/admin/pause answered")
+
+
+def test_status_and_admin_print_what_a_server_says_escaped_on_one_line():
+    """Words from the network reach the operator's terminal escaped: a newline or a Unicode
+    line separator in them could otherwise print a line the coordinator never wrote."""
+    forged = "all is well\nwaiting: nothing\u2028forged"
+    summary = {"workunits": {}, "waiting": {"reason": "no_hosts", "message": forged}}
+    for url in serve(page(200, "application/json", json.dumps(summary).encode())):
+        result = tilehive("status", url)
+        assert result.returncode == 0, result.stderr
+        lines = result.stdout.splitlines()
+        assert "waiting: all is well\\nwaiting: nothing\\u2028forged" in lines, lines
+        assert "waiting: nothing" not in lines and "\u2028" not in result.stdout
+    refusal = msgpack.packb({"error": "forbidden", "message": forged})
+    for url in serve(page(403, "application/msgpack", refusal)):
+        line = one_line_error(tilehive("admin", "pause", url, "--token", "x"))
+        assert line == "Error: 403: all is well\\nwaiting: nothing\\u2028forged"
+
+
+def test_status_at_a_path_with_no_coordinator_behind_it_says_so_in_words():
+    nothing = msgpack.packb({"error": "not_found", "message": "Not Found"})
+    for url in serve(page(404, "application/msgpack", nothing)):
+        line = one_line_error(tilehive("status", url + "/tilehive"))
+        assert line == (
+            f"Error: {url}/tilehive: the coordinator answered 404 Not Found: give the URL it "
+            "prints ('volunteers connect to ...')"
+        )
 
 
 def test_status_and_admin_name_a_server_that_does_not_speak_http(tmp_path):
