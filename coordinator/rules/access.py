@@ -126,8 +126,10 @@ class Access:
 
     def check_admin(self, token: str | None) -> None:
         # Constant time: the admin token guards pausing the project and quarantining hosts.
-        if not token or not hmac.compare_digest(token.encode(), self.admin.encode()):
+        if not token:
             raise Unauthorized("admin token required: see DIR/admin.token")
+        if not hmac.compare_digest(token.encode(), self.admin.encode()):
+            raise Unauthorized("wrong admin token: see DIR/admin.token of this project")
 
     def check_registration(self, address: str, invite: str | None, now: float) -> None:
         """Refuse a registration beyond the address's hourly budget, or without the invite
@@ -143,8 +145,10 @@ class Access:
             )
         window.append(now)
         code = self.config.invite_code
-        if code and not hmac.compare_digest((invite or "").encode(), code.encode()):
+        if code and not invite:
             raise Forbidden("this project needs an invite code to register (field 'invite')")
+        if code and not hmac.compare_digest(invite.encode(), code.encode()):
+            raise Forbidden("wrong invite code: ask the project's operator for its code")
 
     def credit(self, host_id: int, results: int) -> None:
         """The host was given `results` results: it may report each of them beyond its rate
