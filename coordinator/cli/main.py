@@ -742,11 +742,17 @@ def status(target: str, as_json: bool) -> None:
 
 
 def _settings_problem(directory: Path) -> str | None:
-    """Why project.toml cannot be used (as train and coordinator would refuse it), or None
-    (none at all is status_of's to say: a directory that is no project)."""
+    """Why project.toml cannot be used (as train and coordinator would refuse it), or None.
+    Called once status_of found the project's state: a directory that is no project at all
+    is its to say."""
     settings = directory / PROJECT_FILE
     if not settings.exists():
-        return None
+        # A training project's, gone (the state of products computed without training, a
+        # benchmark's or a test's, never had one).
+        trained = (directory / "train.jsonl").exists() or (directory / "checkpoints").is_dir()
+        if not trained:
+            return None
+        return f"{settings} not found: the coordinator and train refuse this project without it"
     try:
         load_project(directory)
     except ProjectError as exc:

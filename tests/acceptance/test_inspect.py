@@ -128,6 +128,27 @@ async def test_status_from_the_directory_and_from_the_url(worked):
     assert down.returncode == 1 and "cannot reach" in down.stderr
 
 
+async def test_status_of_a_trained_project_without_its_settings_says_so(worked, tmp_path):
+    """Its project.toml gone, a project that trained cannot run: its progress is shown all
+    the same, and that said (exit 1), as the coordinator would refuse it."""
+    from coordinator.training import project as projects
+    from tests.factories import SMALL
+
+    co, _, _, project, _ = worked
+    await co.ledger.flush()
+    local = tmp_path / "local"
+    projects.create(local, **{**SMALL, "training.steps": 1})
+    trained = await asyncio.to_thread(tilehive, "train", str(local), "--local", timeout=300)
+    assert trained.returncode == 0, trained.stderr
+    shutil.copy(local / "train.jsonl", project / "train.jsonl")  # a state.db, no settings
+    gone = await asyncio.to_thread(tilehive, "status", str(project))
+    assert "step 1 of" in gone.stdout and gone.returncode == 1, gone
+    assert gone.stderr.strip() == (
+        f"Error: {project / 'project.toml'} not found: the coordinator and train refuse this "
+        "project without it"
+    )
+
+
 async def test_metrics_parse_and_move_during_a_run(worked):
     _, url, before, _, _ = worked
     after = await metric_values(url)
