@@ -59,7 +59,8 @@ def option(*names: str, **kwargs: Any):
 
 class Folder(click.Path):
     """A folder's path, never empty text: "" would mean the working directory, which nobody
-    means by a blank argument or an empty TILEHIVE_STATE_DIR."""
+    means by a blank argument or an empty TILEHIVE_STATE_DIR; nor a URL (`logs URL`: only
+    `status` and `admin` ask a coordinator by its URL)."""
 
     def __init__(self) -> None:
         super().__init__(file_okay=False, path_type=Path)
@@ -67,6 +68,9 @@ class Folder(click.Path):
     def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None):
         if isinstance(value, str) and not value.strip():
             self.fail("an empty path (give '.' for the working directory)", param, ctx)
+        if isinstance(value, str) and "://" in value:
+            # A path would fold its '//' into '/' and name a folder nobody meant.
+            self.fail(f"{value} is a URL: give a folder on this machine", param, ctx)
         return super().convert(value, param, ctx)
 
 

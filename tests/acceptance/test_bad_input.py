@@ -182,6 +182,14 @@ def test_an_empty_path_is_refused_not_taken_for_the_working_directory(tmp_path, 
     assert list(tmp_path.iterdir()) == []  # nothing written where the command ran
 
 
+@pytest.mark.parametrize("command", [("logs", "validation"), ("logs", "tasks"), ("train",)])
+def test_a_url_where_a_folder_belongs_is_refused_as_a_url(tmp_path, command):
+    """`logs https://host:8470` named `https:/host:8470`, a folder nobody meant."""
+    said = tilehive(*command, "https://example.org:8470", cwd=tmp_path)
+    assert said.returncode == 2 and "https://example.org:8470 is a URL" in said.stderr, said
+    assert list(tmp_path.iterdir()) == []
+
+
 @pytest.mark.parametrize(
     "command",
     [
