@@ -77,6 +77,11 @@ class VolunteerConfig:
     invite: str | None = None  # the project's invite code, if it asks for one
 
 
+# Seconds a call waits for a coordinator that has not answered yet (then minutes: a large
+# body on a slow link): an address that takes connections and says nothing is said soon.
+FIRST_CONTACT_SECONDS = 15.0
+
+
 class NotEnoughMemory(RuntimeError):
     """--max-memory leaves no room for any work."""
 
@@ -98,6 +103,7 @@ class Volunteer(PullLoop):
             logger=log,
         )
         self.config = config
+        self.first_contact = FIRST_CONTACT_SECONDS
         # A report nearly through a slow uplink when the stop comes gets the time a tile
         # gets to finish, rather than being cut off and sent again from its first byte.
         self.stop_grace = config.stop_timeout

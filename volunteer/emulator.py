@@ -50,6 +50,7 @@ SHARED_TILE_BYTES = 256 * MB  # modelled tiles kept for their replicas
 UNLIMITED_CACHE = 256 * MB  # the operand cache of a host without a memory limit
 LIES = ("big", "one_ulp", "zero", "nan")  # well-formed wrong tiles: only a validator sees them
 CALL_TIMEOUT = 120.0  # seconds a host's call may take, waiting for a pooled connection too
+PROBE_SECONDS = 15.0  # seconds the first look at the coordinator may take
 
 T = TypeVar("T")
 
@@ -719,10 +720,18 @@ async def run_emulation(
         connector=connector, timeout=timeout, trace_configs=[_trace_config()]
     ) as session:
         try:
-            await _coordinator_status(session, url)
-        except (aiohttp.ClientError, TimeoutError, OSError, ValueError) as exc:
+            async with asyncio.timeout(PROBE_SECONDS):
+                await _coordinator_status(session, url)
+        except TimeoutError:
+            # An address that takes connections and says nothing: seconds, not the minutes
+            # a host's call may take.
             raise CoordinatorUnreachable(
-                f"cannot reach a coordinator at {url}: {type(exc).__name__}: {exc}"
+                f"cannot reach a coordinator at {url}: no answer in {PROBE_SECONDS:.0f}s"
+            ) from None
+        except (aiohttp.ClientError, OSError, ValueError) as exc:
+            said = f": {exc}" if str(exc) else ""
+            raise CoordinatorUnreachable(
+                f"cannot reach a coordinator at {url}: {type(exc).__name__}{said}"
             ) from None
         emulation = Emulation(
             url,

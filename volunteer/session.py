@@ -87,6 +87,10 @@ class CoordinatorSession:
         self.note = ""  # what the volunteer is doing or waiting for
         self.heard = False  # a coordinator has answered at the URL, in its own words
         self.stop_grace = STOP_GRACE  # seconds a stop waits for a call on its way
+        # Seconds a call may take until a coordinator has answered at the URL (None: the
+        # client's own timeout): an address that takes connections and says nothing was
+        # minutes of silence.
+        self.first_contact: float | None = None
         self._calls: set[asyncio.Task] = set()  # tasks with a call on its way
         self._cut: set[asyncio.Task] = set()  # those whose call a stop cut off
 
@@ -188,7 +192,14 @@ class CoordinatorSession:
         assert task is not None
         self._calls.add(task)
         try:
-            reply = await self._request(endpoint, call, up)
+            if self.heard or self.first_contact is None:
+                reply = await self._request(endpoint, call, up)
+            else:
+                try:
+                    async with asyncio.timeout(self.first_contact):
+                        reply = await self._request(endpoint, call, up)
+                except TimeoutError:
+                    raise TimeoutError(f"no answer in {self.first_contact:.0f}s") from None
         except asyncio.CancelledError:
             # Cut off by a stop, and by nothing else: a cancel of its own (the session
             # being torn down) still counts, and goes on as a CancelledError.

@@ -314,6 +314,28 @@ def test_a_coordinator_out_of_reach_is_said_with_its_address_and_the_reason(tmp_
     assert f"127.0.0.1:{port}: Connection refused" in (tmp_path / "vol" / "out").read_text()
 
 
+def test_an_address_that_takes_connections_and_says_nothing_is_said_in_seconds(tmp_path, reaper):
+    """A port that accepts and never answers was two minutes of silence: the volunteer's
+    note said only that it was starting, and `emulate` ended with an empty reason."""
+    listener = socket.create_server(("127.0.0.1", 0))  # the backlog takes the connections
+    url = f"http://127.0.0.1:{listener.getsockname()[1]}"
+    try:
+        volunteer = reaper(start_volunteer(url, tmp_path / "vol"))
+        try:
+            poll(
+                lambda: "no answer in 15s" in volunteer_status(tmp_path / "vol").get("note", ""),
+                timeout=45,
+                what="the note to say that nothing answers",
+            )
+            assert volunteer.poll() is None  # retried, as a coordinator not up yet is
+        finally:
+            assert stop(volunteer) == 0
+        said = one_line_error(tilehive("emulate", url, "--hosts", "1", "--duration", "1"))
+        assert said == f"Error: cannot reach a coordinator at {url}: no answer in 15s"
+    finally:
+        listener.close()
+
+
 def test_a_server_that_drops_connections_is_retried_not_abandoned(tmp_path, reaper):
     """Resets are what a coordinator that is restarting does: back off, do not give up."""
     listener = socket.create_server(("127.0.0.1", 0))
