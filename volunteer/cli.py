@@ -527,11 +527,25 @@ def status(state_dir: Path, as_json: bool) -> None:
         sys.exit(3)
 
 
+ENDED = ("finished", "refused", "stopped")  # the states a daemon leaves its status file in
+
+
 def _say_status(pid: int | None, saved: dict | None, state_dir: Path, as_json: bool) -> None:
     import json
 
+    # Not running, yet its file says it works: it ended without a word (kill -9, a crash,
+    # its machine down), and what the file says is only what it last wrote.
+    vanished = pid is None and saved is not None and saved.get("state") not in ENDED
     if as_json:
-        click.echo(json.dumps({"running": pid is not None, **(saved or {})}))
+        said = {"running": pid is not None, **(saved or {})}
+        if vanished:
+            said |= {"state": "not_running", "last_state": saved.get("state")}
+        click.echo(json.dumps(said))
+    elif vanished:
+        click.echo(
+            f"not running: it ended without a word while {saved.get('state')} (killed, or its "
+            f"machine went down); state directory {state_dir}"
+        )
     elif pid is None and saved and saved.get("state") == "finished":
         click.echo(
             f"not running: the project at {saved['url']} is finished "

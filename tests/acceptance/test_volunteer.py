@@ -142,6 +142,11 @@ async def test_a_volunteer_killed_with_sigkill_has_its_work_redone_by_another(
         first.send_signal(signal.SIGCONT)
     first.send_signal(signal.SIGKILL)
     first.wait()
+    # Its status file still says what it last wrote; status says it ended without a word.
+    said = tilehive("volunteer", "status", "--state-dir", str(tmp_path / "first"))
+    assert said.returncode == 3 and "ended without a word while" in said.stdout, said
+    as_json = tilehive("volunteer", "status", "--json", "--state-dir", str(tmp_path / "first"))
+    assert json.loads(as_json.stdout)["state"] == "not_running"
     second = reaper(start_volunteer(url, tmp_path / "second"))
     try:
         assert await asyncio.to_thread(process.wait, 120) == 0
