@@ -499,20 +499,43 @@ def step_line(s: dict) -> str:
 
 
 def _cut(
-    shown: int, total: int, what: str, filtered: bool = False, archive: Path | None = None
+    shown: int,
+    total: int,
+    what: str,
+    filtered: bool = False,
+    archive: Path | None = None,
+    before: tuple[int | None, Path] | None = None,
 ) -> None:
     """Say on stderr (not in the output a script reads) that the output was cut, or that
     nothing matched the filters given (a header alone read as a failure to look), and where
     a step asked for went (`archive`, when a checkpoint purged it): the task log purges a
-    step's work units sooner than its decisions."""
+    step's work units sooner than its decisions. Other filters that matched nothing name
+    the archive of the steps purged (`before`: the oldest step the database holds, None for
+    none, and the archive), if any was: the failures `status` counts may all be there."""
     if not total and filtered:
         archived = archive is not None and archive.exists()
         older = f"; a checkpoint archived the step in {archive}" if archived else ""
+        if not archived and before is not None and before[1].exists():
+            steps, where = before
+            older = (
+                f"; checkpoints archived the steps before {steps} in {where}"
+                if steps is not None
+                else f"; checkpoints archived every step in {where}"
+            )
         click.echo(f"-- no {what} match{older} --", err=True)
     elif total > shown:
         click.echo(
             f"-- showing the newest {shown} of {total} {what}; --limit N for more --", err=True
         )
+
+
+def _archives(view, archive: Path, step: int | None) -> tuple:
+    """_cut's `archive` and `before` for a log whose purged steps go to `archive`: the step
+    asked for, if a checkpoint purged it; without --step, the steps purged, which may hold
+    what the other filters look for."""
+    if step is not None:
+        return (archive if view.purged(step) else None), None
+    return None, (view.reader.oldest_step(), archive)
 
 
 def _event_line(e: dict) -> str:
@@ -621,8 +644,8 @@ def logs_tasks(
                 + (f"  {r['error']}" if r["error"] else "")
             )
     filtered = any(x is not None for x in (step, state, host, since))
-    archive = Path(directory) / "logs" / WORKUNITS_ARCHIVE if view.purged(step) else None
-    _cut(len(rows), total, "work units", filtered and not follow, archive)
+    archive, before = _archives(view, Path(directory) / "logs" / WORKUNITS_ARCHIVE, step)
+    _cut(len(rows), total, "work units", filtered and not follow, archive, before)
     if follow:
         emit = (
             (lambda e: click.echo(json.dumps({"type": "event", **e})))
@@ -706,8 +729,8 @@ def logs_validation(directory, step, host, since, follow, failures, as_json, sta
     for event in events:
         emit(event)
     filtered = any(x is not None for x in (step, states, host, since))
-    archive = Path(directory) / "logs" / EVENTS_ARCHIVE if view.purged(step) else None
-    _cut(len(events), total, "decisions", filtered and not follow, archive)
+    archive, before = _archives(view, Path(directory) / "logs" / EVENTS_ARCHIVE, step)
+    _cut(len(events), total, "decisions", filtered and not follow, archive, before)
     if follow:
         after = max(events[-1]["id"], start) if events else start
         filters = {"step": step, "state": None, "host": host}

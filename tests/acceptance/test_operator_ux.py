@@ -395,6 +395,13 @@ async def test_logs_show_the_newest_and_say_when_they_cut(worked):
     none = tilehive("logs", "validation", str(project), "--step", "99")
     assert none.returncode == 0 and len(none.stdout.splitlines()) == 1
     assert "-- no decisions match --" in none.stderr
+    # Other filters matching nothing name the archive of the steps purged, where the
+    # failures status counts may all be (here every decision is held: step 1 is the oldest).
+    decisions = project / "logs" / "events.jsonl.gz"
+    decisions.write_bytes(gzip.compress(b""))
+    nobody = tilehive("logs", "validation", str(project), "--host", "1", "--since", "1s")
+    said = f"-- no decisions match; checkpoints archived the steps before 1 in {decisions} --"
+    assert said in nobody.stderr, nobody.stderr
     alone = tilehive("logs", "tasks", str(project), "--by-step")
     assert alone.returncode == 2 and "--by-step" in alone.stderr
     assert "is for --follow" in alone.stderr
