@@ -379,7 +379,9 @@ def logs() -> None:
 
 
 def _clock(t: float | None) -> str:
-    return time.strftime("%H:%M:%S", time.localtime(t)) if t else "-"
+    from coordinator.engine.waiting import clock
+
+    return clock(t) if t else "-"
 
 
 def _view(directory: Path, follow: bool = False):

@@ -12,6 +12,7 @@ from __future__ import annotations
 import itertools
 import json
 import logging
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -188,9 +189,11 @@ def explain(
     if silent >= held and silent:
         return Wait(
             "hosts_quiet",
+            # A time of day, not seconds ago: the log and `status DIR` keep the message as
+            # it was first said, and "for 47s" would read the same a minute later.
             f"work waits for volunteers: those that could take it have not been heard from "
-            f"for {heard:.0f}s (stopped, asleep or cut off?); a volunteer counts as gone "
-            f"{CONNECTED_WITHIN:.0f}s after its last word",
+            f"since {clock(now - heard)} (stopped, asleep or cut off?); a volunteer counts as "
+            f"gone {CONNECTED_WITHIN:.0f}s after its last word",
             waiting,
         )
     if held:
@@ -202,6 +205,11 @@ def explain(
             waiting,
         )
     return None
+
+
+def clock(when: float) -> str:
+    """A wall time as the coordinator's log shows the time of day (local, to the second)."""
+    return time.strftime("%H:%M:%S", time.localtime(when))
 
 
 def _live(results) -> int:

@@ -19,6 +19,7 @@ import time
 from typing import TYPE_CHECKING
 
 from coordinator.engine.progress import eta, host_state
+from coordinator.engine.waiting import clock
 from coordinator.rules.cooling import PROBATION_TILES
 from coordinator.work.records import (
     GemmState,
@@ -149,7 +150,7 @@ def banners(co: Coordinator, status: dict) -> str:
         )
     waiting = status.get("waiting")
     if waiting and waiting["reason"] != "paused" and not training.get("done"):
-        since = time.strftime("%H:%M:%S", time.localtime(waiting["since"]))
+        since = clock(waiting["since"])
         out.append(
             f"<div class='banner waiting' id='banner-waiting'>Waiting since {since}: "
             f"{e(waiting['message'])}</div>"
@@ -372,7 +373,7 @@ async def render(co: Coordinator, fragment: bool = False) -> str:
     failures = await co.store.recent_events("validation", "invalid", 10)
     rejected = (
         "".join(
-            f"<tr><td class='l'>{time.strftime('%H:%M:%S', time.localtime(ev.time))}</td>"
+            f"<tr><td class='l'>{clock(ev.time)}</td>"
             f"<td>{'-' if ev.step is None else ev.step}</td>"
             f"<td class='l'>{e(short_workunit_id(ev.wu_id or ''))}</td>"
             f"<td class='l'>{e(_name(co, ev.host_id))}</td>"

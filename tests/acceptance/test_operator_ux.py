@@ -293,7 +293,7 @@ def test_a_volunteer_killed_is_said_to_be_quiet_before_it_counts_as_gone(tmp_pat
     # Said before the minute after which it counts as gone (no_volunteers).
     assert waits[-1]["reason"] == "hosts_quiet", waits[-1]
     text = (tmp_path / "c.log").read_text()
-    assert "have not been heard from for" in text and "(stopped, asleep or cut off?)" in text
+    assert "have not been heard from since " in text and "(stopped, asleep or cut off?)" in text
 
 
 def test_status_says_a_pause_once_and_no_eta_while_paused_or_without_a_coordinator(
