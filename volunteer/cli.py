@@ -552,7 +552,8 @@ def _say_status(pid: int | None, saved: dict | None, state_dir: Path, as_json: b
             f"({saved['tiles']} tiles computed; state directory {state_dir})"
         )
     elif pid is None and saved and saved.get("state") == "refused":
-        click.echo(f"not running: {saved.get('note')} (state directory {state_dir})")
+        # The note may be the coordinator's own words: on one line whatever they hold.
+        click.echo(f"not running: {one_line(str(saved.get('note')))} (state directory {state_dir})")
     elif pid is None:
         click.echo(f"not running (state directory {state_dir})")
     else:

@@ -41,6 +41,11 @@ TRANSIENT = (*NETWORK, ValueError)
 NO_ROUTE = "Not Found"
 
 
+def no_route(exc: ServerRefused) -> bool:
+    """Whether a coordinator's refusal says it has nothing at the path asked."""
+    return exc.status == 404 and exc.message == NO_ROUTE
+
+
 class Quarantined(Exception):
     """The coordinator refuses this host (403): its loop ends, as BOINC's client stops."""
 
@@ -87,9 +92,9 @@ class CoordinatorSession:
         self.note = ""  # what the volunteer is doing or waiting for
         self.heard = False  # a coordinator has answered at the URL, in its own words
         self.stop_grace = STOP_GRACE  # seconds a stop waits for a call on its way
-        # Seconds a call may take until a coordinator has answered at the URL (None: the
-        # client's own timeout): an address that takes connections and says nothing was
-        # minutes of silence.
+        # Seconds a registration may take until a coordinator has answered at the URL
+        # (None: the client's own timeout): an address that takes connections and says
+        # nothing was minutes of silence.
         self.first_contact: float | None = None
         self._calls: set[asyncio.Task] = set()  # tasks with a call on its way
         self._cut: set[asyncio.Task] = set()  # those whose call a stop cut off
@@ -156,9 +161,11 @@ class CoordinatorSession:
             except ServerRefused as exc:
                 if not self.heard and exc.code == NOT_TILEHIVE:
                     self._stranger(getattr(exc, "endpoint", endpoint), exc, exc.message)
-                if exc.status == 404 and exc.message == NO_ROUTE:
+                if not self.heard and no_route(exc):
                     # A coordinator, but none of its API under the URL's path: asking again
                     # would never end (a path of a proxy's that is not the coordinator's).
+                    # Once the API has answered here, such a 404 is a proxy's passing
+                    # mistake (a reload), retried as anything else is.
                     why = (
                         f"{self.client.url}: the coordinator has nothing at this path (404 Not "
                         "Found); give the URL it prints ('volunteers connect to ...')"
@@ -192,7 +199,9 @@ class CoordinatorSession:
         assert task is not None
         self._calls.add(task)
         try:
-            if self.heard or self.first_contact is None:
+            # Registration alone: a work request's answer may carry megabytes of operands
+            # over a slow link, which the client's own timeout allows for by the byte.
+            if self.heard or self.first_contact is None or endpoint != "register":
                 reply = await self._request(endpoint, call, up)
             else:
                 try:
@@ -208,7 +217,10 @@ class CoordinatorSession:
             raise Stopping(endpoint) from None
         except ServerRefused as exc:
             exc.endpoint = endpoint  # the call that failed, wherever the error surfaces
-            self.heard = self.heard or exc.code not in (NOT_TILEHIVE, BAD_REPLY)
+            # A 404 for the path itself is a coordinator, but not proof that its API is at
+            # this URL.
+            said = exc.code not in (NOT_TILEHIVE, BAD_REPLY) and not no_route(exc)
+            self.heard = self.heard or said
             raise
         except Exception as exc:
             exc.endpoint = endpoint

@@ -13,8 +13,9 @@ from typing import Any
 import click
 import msgpack
 
-from coordinator.work.protocol import CONTENT_TYPE, loggable
+from coordinator.work.protocol import CONTENT_TYPE
 from volunteer.address import answer, check_url, not_tilehive
+from volunteer.logsetup import one_line
 
 GATEWAY = (502, 503, 504)  # a proxy's word on a coordinator behind it that is down
 
@@ -94,14 +95,15 @@ def _refusal(content_type: str, body: bytes) -> str | None:
         return None
     if not isinstance(message, dict) or not isinstance(message.get("message"), str):
         return None
-    return loggable(message["message"])
+    return one_line(message["message"])
 
 
 def escaped(value: Any) -> Any:
-    """A document from the network with every string in it escaped (protocol.loggable), so
-    that none printed on the operator's terminal can start a line of its own or forge one."""
+    """A document from the network with every string in it on one line (a newline shown as
+    `\\n`: logsetup.one_line), so that none printed on the operator's terminal can start a
+    line of its own or forge one."""
     if isinstance(value, str):
-        return loggable(value)
+        return one_line(value)
     if isinstance(value, dict):
         return {escaped(key): escaped(item) for key, item in value.items()}
     if isinstance(value, list):

@@ -12,6 +12,7 @@ from __future__ import annotations
 import itertools
 import json
 import logging
+import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -104,7 +105,9 @@ def explain(
     too_small = held = quorum = slow = silent = paused_by_owners = 0
     need = 0
     fastest = 0.0  # the least seconds a connected host's uplink needs for a tile it cannot send
-    heard = 0.0  # the seconds since the last word of a quiet host that could take the work
+    # The seconds since the latest word of the quiet hosts that could take the work: none
+    # of them has been heard from since.
+    heard = math.inf
     policy = ""
     for result_id in itertools.islice(ledger.unsent, SAMPLE):
         result = ledger.results.get(result_id)
@@ -148,7 +151,7 @@ def explain(
             paused_by_owners += 1
         elif absent:
             silent += 1
-            heard = max(heard, absent)
+            heard = min(heard, absent)
         elif upload and not fits:
             slow += 1
             fastest = max(fastest, upload)

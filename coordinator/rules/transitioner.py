@@ -44,16 +44,20 @@ def _event(wu: WorkUnit, now: float, state: str, message: str, result: Result | 
 
 def counts(results: list[Result]) -> dict[str, int]:
     """BOINC's tallies of a work unit's results; errors count once per host, so that one
-    host cannot spend the work unit's error budget alone."""
+    host cannot spend the work unit's error budget alone, and successes too, as the
+    validator counts one vote per host: a host that took a replacement after its first
+    replica timed out (or was taken back, and forgiven on its release) and then reported
+    both would otherwise fill the quorum alone, and no replica would go to another host."""
     tally = {"unsent": 0, "in_progress": 0, "success": 0, "errors": 0, "total": len(results)}
     erred: set[int | None] = set()
+    succeeded: set[int | None] = set()
     for r in results:
         if r.server_state is ServerState.UNSENT:
             tally["unsent"] += 1
         elif r.server_state is ServerState.IN_PROGRESS:
             tally["in_progress"] += 1
         elif r.outcome is Outcome.SUCCESS and r.validate_state is not ValidateState.INVALID:
-            tally["success"] += 1
+            succeeded.add(r.host_id)
         elif r.outcome is Outcome.CLIENT_ERROR or (
             r.outcome is Outcome.SUCCESS and r.validate_state is ValidateState.INVALID
         ):
@@ -62,6 +66,7 @@ def counts(results: list[Result]) -> dict[str, int]:
             # max_total_results alone.
             erred.add(r.host_id)
     tally["errors"] = len(erred)
+    tally["success"] = len(succeeded)
     return tally
 
 

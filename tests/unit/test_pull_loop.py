@@ -485,6 +485,30 @@ async def test_a_proxys_page_in_answer_to_a_report_keeps_the_results(status):
     assert loop.state != "refused" and coordinator.token == "token"
 
 
+class PassingNotFound(NothingAfterTwoTiles):
+    """A proxy's reload sends the `misrouted` asks after the first to a path the coordinator
+    has nothing at: its own 404 Not Found, after it has answered at the URL."""
+
+    def __init__(self, misrouted: int) -> None:
+        super().__init__()
+        self.misrouted = misrouted
+
+    async def request_work(self, request_id: str, **message: Any) -> dict[str, Any]:
+        if self.asks and self.misrouted:
+            self.misrouted -= 1
+            raise ServerRefused(404, "not_found", "Not Found")
+        return await super().request_work(request_id, **message)
+
+
+async def test_a_404_for_the_path_once_the_coordinator_answered_there_is_retried():
+    """Before any answer such a 404 ends the volunteer (nothing at the URL's path); after,
+    it is a proxy's passing mistake, and a healthy volunteer must not quit for good."""
+    coordinator = PassingNotFound(misrouted=2)
+    done = lambda: len(coordinator.reported) >= 2  # noqa: E731
+    loop = await run_until(coordinator, done, gflops=0.0, backoff=quick())
+    assert set(coordinator.reported) == {"r0", "r1"} and loop.state != "refused"
+
+
 class DownAtFirst(NothingAfterTwoTiles):
     """Cannot be reached for its first `down` asks, then answers."""
 

@@ -297,6 +297,16 @@ def test_errors_of_one_host_count_once():
     assert len(new_replicas(change, results)) == 2
 
 
+def test_successes_of_one_host_count_once():
+    """A host whose replica timed out took the replacement, then reported both: the
+    validator counts it once, so the quorum needs another host's replica, not none."""
+    results = [success("late", host=7), success("again", host=7)]
+
+    change = run(make_wu(), results)
+
+    assert len(new_replicas(change, results)) == 1
+
+
 def test_timeouts_are_no_evidence_against_the_work_and_never_reach_the_error_cap():
     """Churn must not fail a training step: only max_total_results bounds timeouts."""
     wu = make_wu(max_error_results=1, max_total_results=5)
