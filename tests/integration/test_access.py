@@ -752,38 +752,13 @@ async def test_a_host_pausing_for_its_owner_is_judged_for_what_it_held_once_it_i
     await p.finish(product)
 
 
-async def test_a_quarantined_hosts_work_goes_to_others_at_once_and_its_reports_are_refused(
-    tmp_path, rng
-):
+@contextlib.asynccontextmanager
+async def one_quarantined(tmp_path, rng, policy: Policy):
+    """A product of one tile, two hosts, and the first quarantined by the operator while it
+    holds a replica; yields (product, suspect, honest, the replica, the host's admin path,
+    the admin token)."""
     a, b = operands(rng, 16, 16, 8, False, False)
-    async with running(tmp_path, tile=16, policy=Policy.FREIVALDS) as (co, queue, url):
-        token = (tmp_path / "project" / "admin.token").read_text().strip()
-        async with CoordinatorClient(url) as suspect, CoordinatorClient(url) as honest:
-            suspect_id = await suspect.register("suspect")
-            await honest.register("honest")
-            product = asyncio.ensure_future(queue.matmul(a, b, step=1, label="w"))
-            await wait_until(lambda: co.ledger.unsent)
-            (held,) = (await suspect.request_work("s1", capacity=1))["assignments"]
-            path = f"/v1/admin/hosts/{suspect_id}/quarantine"
-            assert (await admin(honest, path, token))[0] == 200
-            # at once, not after the tile's deadline (a minute here)
-            (again,) = (await honest.request_work("o1", capacity=1, wait=True))["assignments"]
-            assert again["wu_id"] == held["wu_id"]
-            tile_a = await honest.fetch_blob(again["a"], max_bytes=1 << 20)
-            tile_b = await honest.fetch_blob(again["b"], max_bytes=1 << 20)
-            _, tile = compute_tile(again, tile_a, tile_b)
-            with pytest.raises(ServerRefused, match="quarantined by the project's operator"):
-                await suspect.report([{"result_id": held["result_id"], "tile": tile}])
-            await honest.report([{"result_id": again["result_id"], "tile": tile}])
-            await asyncio.wait_for(product, 20)
-
-
-async def test_a_released_host_takes_again_the_work_its_quarantine_took_back(tmp_path, rng):
-    """Two volunteers and a quorum of two: the replica a quarantine took back from one has
-    no other host to go to. Released, that host takes it again and the product finishes
-    (the take-back counted as its own give-back, and the work waited for a third host)."""
-    a, b = operands(rng, 16, 16, 8, False, False)
-    async with running(tmp_path, tile=16, policy=Policy.QUORUM) as (co, queue, url):
+    async with running(tmp_path, tile=16, policy=policy) as (co, queue, url):
         token = (tmp_path / "project" / "admin.token").read_text().strip()
         async with CoordinatorClient(url) as suspect, CoordinatorClient(url) as honest:
             suspect_id = await suspect.register("suspect")
@@ -793,21 +768,45 @@ async def test_a_released_host_takes_again_the_work_its_quarantine_took_back(tmp
             (held,) = (await suspect.request_work("s1", capacity=1))["assignments"]
             path = f"/v1/admin/hosts/{suspect_id}"
             assert (await admin(honest, f"{path}/quarantine", token))[0] == 200
+            yield product, suspect, honest, held, path, token
 
-            async def compute_and_report(client: CoordinatorClient, request: str) -> dict:
-                (got,) = (await client.request_work(request, capacity=1, wait=True))["assignments"]
-                tile_a = await client.fetch_blob(got["a"], max_bytes=1 << 20)
-                tile_b = await client.fetch_blob(got["b"], max_bytes=1 << 20)
-                _, tile = compute_tile(got, tile_a, tile_b)
-                await client.report([{"result_id": got["result_id"], "tile": tile}])
-                return got
 
-            mine = await compute_and_report(honest, "o1")
-            assert mine["wu_id"] == held["wu_id"]
-            assert (await admin(honest, f"{path}/release", token))[0] == 200
-            again = await compute_and_report(suspect, "s2")
-            assert again["wu_id"] == held["wu_id"]
-            await asyncio.wait_for(product, 20)
+async def computed(client: CoordinatorClient, request: str) -> tuple[dict, bytes]:
+    """The next assignment (waiting for one) and its tile, computed honestly."""
+    (got,) = (await client.request_work(request, capacity=1, wait=True))["assignments"]
+    tile_a = await client.fetch_blob(got["a"], max_bytes=1 << 20)
+    tile_b = await client.fetch_blob(got["b"], max_bytes=1 << 20)
+    return got, compute_tile(got, tile_a, tile_b)[1]
+
+
+async def test_a_quarantined_hosts_work_goes_to_others_at_once_and_its_reports_are_refused(
+    tmp_path, rng
+):
+    async with one_quarantined(tmp_path, rng, Policy.FREIVALDS) as quarantined:
+        product, suspect, honest, held, _, _ = quarantined
+        # at once, not after the tile's deadline (a minute here)
+        again, tile = await computed(honest, "o1")
+        assert again["wu_id"] == held["wu_id"]
+        with pytest.raises(ServerRefused, match="quarantined by the project's operator"):
+            await suspect.report([{"result_id": held["result_id"], "tile": tile}])
+        await honest.report([{"result_id": again["result_id"], "tile": tile}])
+        await asyncio.wait_for(product, 20)
+
+
+async def test_a_released_host_takes_again_the_work_its_quarantine_took_back(tmp_path, rng):
+    """Two volunteers and a quorum of two: the replica a quarantine took back from one has
+    no other host to go to. Released, that host takes it again and the product finishes
+    (the take-back counted as its own give-back, and the work waited for a third host)."""
+    async with one_quarantined(tmp_path, rng, Policy.QUORUM) as quarantined:
+        product, suspect, honest, held, path, token = quarantined
+        mine, tile = await computed(honest, "o1")
+        assert mine["wu_id"] == held["wu_id"]
+        await honest.report([{"result_id": mine["result_id"], "tile": tile}])
+        assert (await admin(honest, f"{path}/release", token))[0] == 200
+        again, tile = await computed(suspect, "s2")
+        assert again["wu_id"] == held["wu_id"]
+        await suspect.report([{"result_id": again["result_id"], "tile": tile}])
+        await asyncio.wait_for(product, 20)
 
 
 async def test_the_open_dashboard_is_made_once_however_many_ask(tmp_path, monkeypatch):
