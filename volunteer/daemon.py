@@ -77,8 +77,9 @@ class VolunteerConfig:
     invite: str | None = None  # the project's invite code, if it asks for one
 
 
-# Seconds a call waits for a coordinator that has not answered yet (then minutes: a large
-# body on a slow link): an address that takes connections and says nothing is said soon.
+# Seconds a registration waits for a coordinator that has not answered yet (other calls
+# have minutes: a large body on a slow link): an address that takes connections and says
+# nothing is then said in seconds.
 FIRST_CONTACT_SECONDS = 15.0
 
 
