@@ -45,7 +45,7 @@ def parse_since(value: str | None, now: float | None = None) -> float | None:
         return datetime.fromisoformat(value).timestamp()
     except ValueError as exc:
         raise InspectError(
-            f"--since {value!r}: use a duration like 90s, 10m, 2h, 1d or an ISO time"
+            f"{value!r}: use a duration like 90s, 10m, 2h, 1d or an ISO time"
         ) from exc
 
 

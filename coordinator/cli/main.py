@@ -781,8 +781,7 @@ def _settings_problem(directory: Path) -> str | None:
     try:
         load_project(directory)
     except ProjectError as exc:
-        said = str(exc)
-        return said if PROJECT_FILE in said else f"{settings}: {said}"
+        return str(exc)  # it names the file
     return None
 
 

@@ -242,7 +242,13 @@ def load(directory: Path | str) -> Project:
         ) from exc
     except UnicodeDecodeError as exc:
         raise ProjectError(f"{path} is not UTF-8 text, as TOML must be ({exc.reason})") from None
-    return parse(directory, text)
+    try:
+        return parse(directory, text)
+    except ProjectError as exc:
+        said = str(exc)
+        if PROJECT_FILE in said:
+            raise
+        raise ProjectError(f"{path}: {said}") from exc  # every command names the file
 
 
 TEMPLATE = """\

@@ -15,6 +15,7 @@ import subprocess
 import threading
 from collections.abc import Iterator
 
+import click
 import msgpack
 import pytest
 
@@ -180,6 +181,15 @@ def test_an_empty_path_is_refused_not_taken_for_the_working_directory(tmp_path, 
     said = tilehive(*(part.format(tmp=tmp_path) for part in command), cwd=tmp_path)
     assert said.returncode == 2 and "an empty" in said.stderr, said.stderr
     assert list(tmp_path.iterdir()) == []  # nothing written where the command ran
+
+
+def test_a_since_that_does_not_parse_says_so_once():
+    from coordinator.cli.main import _since
+
+    with pytest.raises(click.BadParameter) as refused:
+        _since("10x")
+    said = refused.value.format_message()
+    assert said.count("--since") == 1 and "'10x': use a duration like 90s" in said, said
 
 
 @pytest.mark.parametrize("command", [("logs", "validation"), ("logs", "tasks"), ("train",)])

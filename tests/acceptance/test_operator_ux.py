@@ -709,3 +709,8 @@ def test_status_of_a_project_whose_settings_are_broken_says_so(tmp_path, edit, s
     assert len(text.stderr.splitlines()) == 1
     as_json = tilehive("status", str(project), "--json")
     assert as_json.returncode == 1 and said in json.loads(as_json.stdout)["settings_error"]
+    # The commands that refuse it name the file too (the coordinator named only the key).
+    for command in (("coordinator", "--bind", "127.0.0.1:0"), ("train", "--local")):
+        refused = tilehive(command[0], str(project), *command[1:])
+        assert refused.returncode == 1 and said in refused.stderr, refused.stderr
+        assert refused.stderr.startswith(f"Error: {settings}"), refused.stderr
