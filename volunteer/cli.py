@@ -23,7 +23,7 @@ import click
 from kernels import processes
 from kernels.malloc import return_freed_memory
 from volunteer.address import NotACoordinator, check_url
-from volunteer.daemon import NotEnoughMemory, Volunteer, VolunteerConfig, default_threads
+from volunteer.daemon import ENDED, NotEnoughMemory, Volunteer, VolunteerConfig, default_threads
 from volunteer.emulator import (
     DEFAULT_REAL_FLOPS,
     CoordinatorUnreachable,
@@ -527,15 +527,13 @@ def status(state_dir: Path, as_json: bool) -> None:
         sys.exit(3)
 
 
-ENDED = ("finished", "refused", "stopped")  # the states a daemon leaves its status file in
-
-
 def _say_status(pid: int | None, saved: dict | None, state_dir: Path, as_json: bool) -> None:
     import json
 
     # Not running, yet its file says it works: it ended without a word (kill -9, a crash,
     # its machine down), and what the file says is only what it last wrote.
-    vanished = pid is None and saved is not None and saved.get("state") not in ENDED
+    left = (*ENDED, "stopped")  # the states a daemon leaves its status file in
+    vanished = pid is None and saved is not None and saved.get("state") not in left
     if as_json:
         said = {"running": pid is not None, **(saved or {})}
         if vanished:

@@ -7,6 +7,7 @@ import shlex
 import signal
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import click
@@ -505,39 +506,32 @@ def _cut(
     total: int,
     what: str,
     filtered: bool = False,
-    archive: Path | None = None,
-    before: tuple[int | None, Path] | None = None,
+    archived: Callable[[], str] = lambda: "",
 ) -> None:
     """Say on stderr (not in the output a script reads) that the output was cut, or that
-    nothing matched the filters given (a header alone read as a failure to look), and where
-    a step asked for went (`archive`, when a checkpoint purged it): the task log purges a
-    step's work units sooner than its decisions. Other filters that matched nothing name
-    the archive of the steps purged (`before`: the oldest step the database holds, None for
-    none, and the archive), if any was: the failures `status` counts may all be there."""
+    nothing matched the filters given (a header alone read as a failure to look), and then
+    where it may have gone (`archived`: _archived's words)."""
     if not total and filtered:
-        archived = archive is not None and archive.exists()
-        older = f"; a checkpoint archived the step in {archive}" if archived else ""
-        if not archived and before is not None and before[1].exists():
-            steps, where = before
-            older = (
-                f"; checkpoints archived the steps before {steps} in {where}"
-                if steps is not None
-                else f"; checkpoints archived every step in {where}"
-            )
-        click.echo(f"-- no {what} match{older} --", err=True)
+        click.echo(f"-- no {what} match{archived()} --", err=True)
     elif total > shown:
         click.echo(
             f"-- showing the newest {shown} of {total} {what}; --limit N for more --", err=True
         )
 
 
-def _archives(view, archive: Path, step: int | None) -> tuple:
-    """_cut's `archive` and `before` for a log whose purged steps go to `archive`: the step
-    asked for, if a checkpoint purged it; without --step, the steps purged, which may hold
-    what the other filters look for."""
+def _archived(view, archive: Path, step: int | None) -> str:
+    """Where what the filters looked for may be, in a log whose purged steps go to `archive`:
+    the step asked for, if a checkpoint purged it (the task log purges a step's work units
+    sooner than its decisions); without --step, the steps checkpoints purged, where the
+    failures `status` counts may all be."""
+    if not archive.exists():
+        return ""
     if step is not None:
-        return (archive if view.purged(step) else None), None
-    return None, (view.reader.oldest_step(), archive)
+        return f"; a checkpoint archived the step in {archive}" if view.purged(step) else ""
+    oldest = view.reader.oldest_step()
+    if oldest is None:
+        return f"; checkpoints archived every step in {archive}"
+    return f"; checkpoints archived the steps before {oldest} in {archive}"
 
 
 def _event_line(e: dict) -> str:
@@ -646,8 +640,9 @@ def logs_tasks(
                 + (f"  {r['error']}" if r["error"] else "")
             )
     filtered = any(x is not None for x in (step, state, host, since))
-    archive, before = _archives(view, Path(directory) / "logs" / WORKUNITS_ARCHIVE, step)
-    _cut(len(rows), total, "work units", filtered and not follow, archive, before)
+    archive = Path(directory) / "logs" / WORKUNITS_ARCHIVE
+    where = lambda: _archived(view, archive, step)  # noqa: E731 (asked only if nothing matched)
+    _cut(len(rows), total, "work units", filtered and not follow, where)
     if follow:
         emit = (
             (lambda e: click.echo(json.dumps({"type": "event", **e})))
@@ -731,8 +726,9 @@ def logs_validation(directory, step, host, since, follow, failures, as_json, sta
     for event in events:
         emit(event)
     filtered = any(x is not None for x in (step, states, host, since))
-    archive, before = _archives(view, Path(directory) / "logs" / EVENTS_ARCHIVE, step)
-    _cut(len(events), total, "decisions", filtered and not follow, archive, before)
+    archive = Path(directory) / "logs" / EVENTS_ARCHIVE
+    where = lambda: _archived(view, archive, step)  # noqa: E731 (asked only if nothing matched)
+    _cut(len(events), total, "decisions", filtered and not follow, where)
     if follow:
         after = max(events[-1]["id"], start) if events else start
         filters = {"step": step, "state": None, "host": host}
