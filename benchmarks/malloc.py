@@ -11,10 +11,12 @@ runs it once tuned and once with glibc's defaults, in fresh processes, alternate
 figures are the medians of the rounds' CPU seconds (user and system, the child's own) and of
 its minor page faults.
 
-The volunteer's row: a process under `return_freed_memory` receives bodies of 2, 4 and 16
+The volunteer's rows: a process under `return_freed_memory` receives bodies of 2, 4 and 16
 MiB (each a fresh buffer, filled as a body read from the network is) and has its kernel
 write 4 MiB tiles into fresh buffers (0.6 GiB of bodies, 1 GiB of tiles), its buffers from
-`empty_bytes` or from `np.empty`, alternately in fresh processes.
+`empty_bytes` or from `np.empty`, alternately in fresh processes; then from `empty_bytes`
+with freed buffers kept for reuse (`recycle_within`, as the daemon does within its memory
+budget) or unmapped when freed.
 """
 
 from __future__ import annotations
@@ -60,13 +62,17 @@ worker.start(); churn(); worker.join()
 """
 
 
+# {choice}: how the script below takes its buffers in each mode.
+HUGE_PAGES = 'fresh = empty_bytes if sys.argv[1] == "tuned" else (lambda n: np.empty(n, np.uint8))'
+RECYCLED = 'recycle_within((256 << 20) if sys.argv[1] == "tuned" else 0); fresh = empty_bytes'
+
 VOLUNTEER_BUFFERS = """
 import json, resource, sys
 import numpy as np
 import kernels
-from kernels.malloc import empty_bytes, return_freed_memory
+from kernels.malloc import empty_bytes, recycle_within, return_freed_memory
 took = return_freed_memory()
-fresh = empty_bytes if sys.argv[1] == "tuned" else (lambda n: np.empty(n, np.uint8))
+{choice}
 HEADER = 32  # a blob's header before its array (kernels.hashing)
 body = np.ones(16 << 20, np.uint8)
 a, b = np.ones((1024, 256), np.float32), np.ones((256, 1024), np.float32)
@@ -105,9 +111,14 @@ def run(rounds: int = 5) -> list[Row]:
             "the coordinator's malloc / glibc's defaults",
         ),
         (
-            VOLUNTEER_BUFFERS,
+            VOLUNTEER_BUFFERS.format(choice=HUGE_PAGES),
             "CPU of a volunteer's fresh bodies and tiles of 2-16 MiB, 1.6 GiB in all, under its "
             "malloc: in huge pages (empty_bytes) / np.empty",
+        ),
+        (
+            VOLUNTEER_BUFFERS.format(choice=RECYCLED),
+            "the same bodies and tiles in huge pages: freed ones kept for reuse within 256 MiB "
+            "(recycle_within, as the daemon within its budget) / each unmapped when freed",
         ),
     ):
         runs: dict[str, list[dict]] = {"tuned": [], "default": []}

@@ -40,15 +40,27 @@ docs/performance-history.md, the twenty-fourth round; `benchmarks/malloc.py` iso
 numpy advises only arrays of 4 MiB or more, so most of such a buffer came in 4 KiB pages
 before. Where the kernel must compact memory to find a huge page, a fault
 may wait for it: numpy already asks the same for its large arrays, in every process.
+
+The rest can be had back within the volunteer's budget. A step makes and frees the same few
+sizes of buffers over and over (the larger project's panels and tiles: 1.5 GB a step), and
+zeroing their fresh pages was 8% of the CPU of both processes under `perf`, most of it the
+kernel's thread writing a tile into a fresh buffer and the main thread filling a body read
+from the network. So a freed buffer's mapping is kept (`Recycler`) for the next buffer of
+exactly its size, as long as the buffers in use and those kept fit in the memory the daemon
+gives its work and its cache (`recycle_within`): its resident size is then at most what it
+may hold, and a buffer it has no use for is unmapped before a fresh one is mapped.
 """
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import ctypes
 import mmap
 import os
 import sys
+import threading
+import weakref
 
 import numpy as np
 
@@ -89,22 +101,94 @@ def empty_bytes(nbytes: int) -> np.ndarray:
     own whose data starts on a huge page, with huge pages asked for over the whole ones it
     spans. The rest of the mapping, from the last, partial huge page on, is kept in small
     pages even where the kernel gives huge pages unasked, so that nothing past the buffer
-    becomes resident. The mapping goes when the last view of the array does. Otherwise, and
-    below a huge page, it is `np.empty`."""
+    becomes resident. When the last view of the array goes, its mapping is unmapped, or kept
+    for the next buffer of its size (`recycle_within`). Otherwise, and below a huge page, it
+    is `np.empty`."""
     if not _own_mappings or nbytes < HUGE_PAGE:
         return np.empty(nbytes, np.uint8)
+    return recycler.take(nbytes)
+
+
+def recycle_within(limit: int) -> None:
+    """Keep freed large buffers for reuse while those in use and those kept total at most
+    `limit` bytes (0: keep none). Only after `return_freed_memory`."""
+    recycler.limit = max(0, limit)
+
+
+def let_go() -> None:
+    """Unmap every freed buffer kept for reuse: the process holds only what it uses."""
+    recycler.let_go()
+
+
+class Recycler:
+    """The mappings of freed large buffers, kept for the next buffer of the same size.
+
+    A buffer's mapping comes back when the last view of its array goes: a finalizer on the
+    array queues it, from whichever thread dropped it, without a lock, since that can happen
+    in the middle of any allocation (the garbage collector). The next `take` files what was
+    queued, then reuses a kept mapping of exactly the size asked for, or unmaps the oldest
+    kept until the new one fits the limit beside the buffers in use."""
+
+    def __init__(self) -> None:
+        self.limit = 0
+        self.in_use = 0  # bytes of the buffers handed out and not yet freed
+        self.kept_bytes = 0
+        self._kept: collections.OrderedDict[int, tuple[int, mmap.mmap, int]] = (
+            collections.OrderedDict()
+        )
+        self._freed: collections.deque[tuple[int, mmap.mmap, int]] = collections.deque()
+        self._lock = threading.Lock()  # two threads taking at once
+
+    def take(self, nbytes: int) -> np.ndarray:
+        with self._lock:
+            self._file_freed()
+            same = next((key for key, kept in self._kept.items() if kept[0] == nbytes), None)
+            if same is not None:
+                _, mapping, start = self._kept.pop(same)
+                self.kept_bytes -= nbytes
+            else:
+                while self._kept and self.in_use + self.kept_bytes + nbytes > self.limit:
+                    size, _, _ = self._kept.popitem(last=False)[1]  # unmapped as it goes
+                    self.kept_bytes -= size
+                mapping, start = _fresh_mapping(nbytes)
+            self.in_use += nbytes
+        whole = np.frombuffer(mapping, np.uint8)
+        freed = weakref.finalize(whole, self._freed.append, (nbytes, mapping, start))
+        freed.atexit = False  # nothing to keep at exit
+        return whole[start : start + nbytes]
+
+    def let_go(self) -> None:
+        with self._lock:
+            self._file_freed()
+            self._kept.clear()
+            self.kept_bytes = 0
+
+    def _file_freed(self) -> None:
+        while self._freed:
+            size, mapping, start = self._freed.popleft()
+            self.in_use -= size
+            if self.in_use + self.kept_bytes + size <= self.limit:
+                self._kept[id(mapping)] = (size, mapping, start)
+                self.kept_bytes += size
+
+
+recycler = Recycler()
+
+
+def _fresh_mapping(nbytes: int) -> tuple[mmap.mmap, int]:
+    """A private mapping with room for `nbytes` from a huge page boundary, and that start."""
     # Room to move the start to a huge page boundary; the part skipped is never touched.
     try:
         mapping = mmap.mmap(-1, nbytes + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     except OSError as exc:  # out of memory, as np.empty would say it (not a network error)
         raise MemoryError(f"cannot map {nbytes} bytes: {exc.strerror}") from exc
-    whole = np.frombuffer(mapping, np.uint8)
-    start = -whole.ctypes.data % HUGE_PAGE
+    address = ctypes.addressof(ctypes.c_char.from_buffer(mapping))
+    start = -address % HUGE_PAGE
     huge = nbytes // HUGE_PAGE * HUGE_PAGE
     with contextlib.suppress(OSError):  # a kernel without transparent huge pages
         mapping.madvise(mmap.MADV_HUGEPAGE, start, huge)
         mapping.madvise(mmap.MADV_NOHUGEPAGE, start + huge, len(mapping) - start - huge)
-    return whole[start : start + nbytes]
+    return mapping, start
 
 
 def _tune(settings: tuple[tuple[int, int], ...]) -> bool:

@@ -18,6 +18,7 @@ import numpy as np
 
 import kernels
 from kernels.frames import Buffer
+from kernels.malloc import let_go, recycle_within
 from volunteer.address import NotACoordinator
 from volunteer.backoff import Backoff
 from volunteer.cache import BlobCache
@@ -148,6 +149,12 @@ class Volunteer(PullLoop):
         self.budget = int(spare * MB)
         # Half for cached operands, half for the tile being computed and those reported.
         self.cache = BlobCache(self.budget // 2)
+        # Freed buffers are kept for the next of their size in what the budget leaves
+        # free. The cache's half is full of panels most of the time: on the larger project,
+        # within half the budget a tenth of the large buffers were reused, within three
+        # quarters two thirds (the peak 177 MB of 200, against 173 keeping none), within
+        # the whole of it nine in ten, but the peak came within 2-5 MB of the limit.
+        recycle_within(self.budget * 3 // 4)
         log.info(
             "kernel %s: %.1f GFLOPS on %d thread%s; memory budget %.0f MB of %d MB",
             kernels.kernel_name(),
@@ -201,6 +208,9 @@ class Volunteer(PullLoop):
             # volunteers), which is nothing this volunteer did wrong or can mend.
             self._logged_note = note
             log.info("coordinator: %s", note)
+
+    def _resting(self) -> None:
+        let_go()  # a daemon with nothing to do holds no memory it does not use
 
     def _forget(self) -> None:
         self.state_dir.identity_file.unlink(missing_ok=True)

@@ -214,6 +214,9 @@ class PullLoop(CoordinatorSession):
     def _heard(self, reply: dict[str, Any], wait: bool) -> None:
         """A work request was answered (after long-polling, if `wait`)."""
 
+    def _resting(self) -> None:
+        """No work, or paused: the loop waits before it asks again."""
+
     def _failed(self, endpoint: str, exc: BaseException) -> None:
         self.stats.errors += 1
 
@@ -226,6 +229,7 @@ class PullLoop(CoordinatorSession):
                 await self._answer()
             await self._flush()  # finished tiles are not held back by a pause
             await self._say_paused()
+            self._resting()
             await wait(stop, pause)
             return
         resumed, self.paused_said_until = self.paused_said_until > 0, 0.0
@@ -283,6 +287,7 @@ class PullLoop(CoordinatorSession):
             self.state = "idle"
             delay = self.idle.next_delay(at_least=float(reply.get("delay", 0.0)))
             self.note = f"no work; next ask in {delay:.1f}s"
+            self._resting()
             await wait(stop, delay)
 
     def _report_bytes(self) -> int:

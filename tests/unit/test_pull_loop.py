@@ -745,3 +745,32 @@ async def test_leaving_a_coordinator_that_is_gone_with_nothing_to_report_loses_n
     assert any(
         line.startswith("leaving without a goodbye (ConnectionRefusedError)") for line in said
     )
+
+
+class CountsRests(SlowTiles):
+    """Notes each rest, and whether tiles were queued or waiting to be reported then."""
+
+    rests: list[bool]
+
+    def _resting(self) -> None:
+        self.rests.append(bool(self.queue or self.pending))
+
+
+async def test_a_volunteer_rests_only_once_it_holds_no_work():
+    """A rest is when the daemon gives back the buffers it kept for reuse (kernels/malloc.py):
+    after the two tiles are reported and the answer has no more, not while it holds any."""
+    CountsRests.rests = []
+    coordinator = NothingAfterTwoTiles()
+    await run_until(coordinator, lambda: bool(CountsRests.rests), CountsRests)
+    assert sorted(coordinator.reported) == ["r0", "r1"]
+    assert CountsRests.rests == [False]
+
+
+class PausedAndCountsRests(CountsRests, PausedByItsOwner):
+    pass
+
+
+async def test_a_paused_volunteer_rests():
+    PausedAndCountsRests.rests = []
+    await run_until(NoWork(), lambda: len(PausedAndCountsRests.rests) >= 2, PausedAndCountsRests)
+    assert len(PausedAndCountsRests.rests) >= 2
