@@ -50,6 +50,7 @@ from volunteer.session import (
     CoordinatorSession,
     ProjectFinished,
     Stopping,
+    no_route,
     wait,
 )
 
@@ -684,7 +685,10 @@ class PullLoop(CoordinatorSession):
                 # (An answer that waited for work would make the uplink look slow.)
                 self._measured_upload(size, time.monotonic() - started)
         except ServerRefused as exc:
-            if exc.retriable or exc.status == 401:
+            # A 404 for the path itself is no word on these results: a proxy's passing
+            # mistake once the coordinator has answered here (the session retries it) or no
+            # coordinator at this path (the session ends, and they go as unreported).
+            if exc.retriable or exc.status == 401 or no_route(exc):
                 self.pending[:0] = batch  # sent again after the backoff (or registering)
                 raise
             # Any other 4xx names a report the coordinator will never take: never resend it.

@@ -509,6 +509,28 @@ async def test_a_404_for_the_path_once_the_coordinator_answered_there_is_retried
     assert set(coordinator.reported) == {"r0", "r1"} and loop.state != "refused"
 
 
+class ReportsPassingNotFound(NothingAfterTwoTiles):
+    """A proxy's reload sends the first `misrouted` reports to a path the coordinator has
+    nothing at: its 404 Not Found, which says nothing of the results in them."""
+
+    def __init__(self, misrouted: int) -> None:
+        super().__init__()
+        self.misrouted = misrouted
+
+    async def report(self, batch: list[dict[str, Any]], work: dict | None) -> dict[str, Any]:
+        if self.misrouted:
+            self.misrouted -= 1
+            raise ServerRefused(404, "not_found", "Not Found")
+        return await super().report(batch, work)
+
+
+async def test_reports_met_by_a_404_for_the_path_are_sent_again_not_dropped():
+    coordinator = ReportsPassingNotFound(misrouted=2)
+    done = lambda: len(coordinator.reported) >= 2  # noqa: E731
+    loop = await run_until(coordinator, done, gflops=0.0, backoff=quick())
+    assert set(coordinator.reported) == {"r0", "r1"} and loop.state != "refused"
+
+
 class DownAtFirst(NothingAfterTwoTiles):
     """Cannot be reached for its first `down` asks, then answers."""
 
