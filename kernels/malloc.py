@@ -46,9 +46,10 @@ sizes of buffers over and over (the larger project's panels and tiles: 1.5 GB a 
 zeroing their fresh pages was 8% of the CPU of both processes under `perf`, most of it the
 kernel's thread writing a tile into a fresh buffer and the main thread filling a body read
 from the network. So a freed buffer's mapping is kept (`Recycler`) for the next buffer of
-exactly its size, as long as the buffers in use and those kept fit in the memory the daemon
-gives its work and its cache (`recycle_within`): its resident size is then at most what it
-may hold, and a buffer it has no use for is unmapped before a fresh one is mapped.
+exactly its size, as long as the buffers in use and those kept fit a limit the daemon sets
+within the memory it gives its work and its cache (`recycle_within`): its resident size
+stays within what it may hold, a kept buffer is unmapped before a fresh one would pass the
+limit, and all of them are when the daemon has nothing to do (`let_go`).
 """
 
 from __future__ import annotations
