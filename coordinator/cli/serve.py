@@ -157,10 +157,11 @@ async def host_project(
             try:
                 public = public_url(bind_host, url)
                 lock.describe(url=public)
-                announce(
-                    f"tilehive coordinator: volunteers connect to {public}\n"
-                    f"  e.g. tilehive volunteer start {public}"
-                )
+                if not finished(project):  # else it only says so (_train), and stops
+                    announce(
+                        f"tilehive coordinator: volunteers connect to {public}\n"
+                        f"  e.g. tilehive volunteer start {public}"
+                    )
                 return await _train(coordinator, project, url, keep_serving, interrupts.stop)
             finally:
                 # Always, whatever went wrong: this closes the database, whose worker thread
@@ -172,6 +173,11 @@ async def host_project(
         asyncio.current_task().uncancel()
         announce("stopped while starting")
         return 130
+
+
+def finished(project: Project) -> bool:
+    """Whether the project's last checkpoint is of its last step: nothing left to train."""
+    return (checkpoints.latest(project.checkpoints) or 0) >= project.training.steps
 
 
 async def tell_volunteers(coordinator: Coordinator, stop: asyncio.Event) -> None:
@@ -201,7 +207,7 @@ async def _train(
 ) -> int:
     steps = project.training.steps
     loop = asyncio.get_running_loop()
-    if (checkpoints.latest(project.checkpoints) or 0) >= steps:
+    if finished(project):
         announce(
             f"nothing to do: all {steps} steps are done already (raise training.steps in "
             f"{project.directory / PROJECT_FILE} to train more)"

@@ -646,6 +646,7 @@ def test_the_demo_of_a_finished_or_busy_project_says_so_and_starts_nothing(tmp_p
     assert not list(directory.glob("volunteer-*")) and not (directory / "state.db").exists()
     served = tilehive("coordinator", str(directory), "--bind", "127.0.0.1:0", timeout=120)
     assert served.returncode == 0 and "nothing to do: all 1 steps are done already" in served.stdout
+    assert "volunteers connect to" not in served.stdout  # there is nothing to connect for
     busy = tmp_path / "busy"
     projects.create(busy, **{**SMALL, "training.steps": 5000, "work.policy": "freivalds"})
     coordinator = reaper(start_coordinator(busy, "127.0.0.1:0", tmp_path / "c.log"))
