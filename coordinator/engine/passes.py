@@ -28,6 +28,7 @@ from coordinator.state.blobs import BlobStore
 from coordinator.state.ledger import Ledger
 from coordinator.work.events import Event
 from coordinator.work.records import (
+    Host,
     Outcome,
     Policy,
     Result,
@@ -84,6 +85,10 @@ class Passes:
         self._wake = asyncio.Event()
         self.after_pass = lambda now: None  # the Coordinator's bookkeeping (tile rates)
         self._stragglers_seen = 0.0  # when the passes last looked for stragglers
+        # When this coordinator started. Work restored at a start was out while it was down:
+        # a host could not report to it then, nor until it has been heard from since, so
+        # that time is held against no host (it neither sat on a tile nor missed a deadline).
+        self.started = time.time()
         # A host sat on a tile that needed a straggler's spare (the Coordinator: no new work
         # for it a while, rules/cooling.py).
         self.sat_on: Callable[[int, float], None] = lambda host_id, now: None
@@ -201,7 +206,9 @@ class Passes:
         for result in change.results:
             if result.outcome is Outcome.NO_REPLY and result.host_id in self.ledger.hosts:
                 host = self.ledger.hosts[result.host_id]
-                self.ledger.put_host(trust.after_error(host, self.config.trust))
+                missed_while_down = (result.report_deadline or now) < self.started
+                if self.heard_from_since_start(host) and not missed_while_down:
+                    self.ledger.put_host(trust.after_error(host, self.config.trust))
         for result in change.results:
             self.ledger.put_result(result)
         if change.wu != wu:
@@ -439,7 +446,9 @@ class Passes:
         sitting = set(self._judged(now))  # hosts that sat on a spared tile: once each
         self._spare(now, sitting)
         for host_id in sorted(sitting):
-            self.sat_on(host_id, now)
+            host = self.ledger.hosts.get(host_id)
+            if host is not None and self.heard_from_since_start(host):
+                self.sat_on(host_id, now)
 
     def _spare(self, now: float, sitting: set[int]) -> None:
         """The spares of _spare_stragglers; the hosts found sitting on their tiles (or to be
@@ -456,14 +465,14 @@ class Passes:
                 if wu is None or wu.state is not WuState.ACTIVE or wu.accelerated:
                     continue
                 results = self.ledger.results_for(wu.id)
-                if straggling(results, now, floor) is None:
+                if straggling(results, now, floor, self.started) is None:
                     continue  # the common case: no crowd looked at (its view is cached)
                 crowd = watch.crowd(now)
                 if crowd.hosts < 2:
                     return
                 expected = sizing.tile_seconds(*wu.shape, crowd)
                 lag = max(floor, self.config.straggler_factor * expected)
-                age = straggling(results, now, lag)
+                age = straggling(results, now, lag, self.started)
                 if age is None:
                     continue
                 for r in results:
@@ -486,7 +495,8 @@ class Passes:
         host_id = result.host_id
         assert host_id is not None
         uploads = per_byte * queued_upload_bytes(self.ledger, host_id) if per_byte else 0.0
-        judged_at = (result.sent_time or now) + lag + self.config.straggler_factor * uploads
+        sent = max(result.sent_time or now, self.started)
+        judged_at = sent + lag + self.config.straggler_factor * uploads
         if judged_at <= now:
             sitting.add(host_id)
             self._judging.pop(result.id, None)  # judged now: not again for the same tile
@@ -504,6 +514,11 @@ class Passes:
                 del self._judging[result_id]
                 hosts.append(host_id)
         return hosts
+
+    def heard_from_since_start(self, host: Host) -> bool:
+        """Whether the host has asked or reported since this coordinator started: one that
+        has not could not have reported what it holds (it may not know of the restart yet)."""
+        return host.last_contact >= self.started
 
     def _accelerate_tails(self, now: float) -> None:
         """Spare replicas for the last work units of a GEMM that is nearly done."""
@@ -531,13 +546,14 @@ class Passes:
                 self._spare_one(wu, now, message)
 
 
-def straggling(results: list[Result], now: float, lag: float) -> float | None:
-    """How long the replicas in progress of a work unit have all been out, if each has
-    been out `lag` seconds or more and none is waiting to be sent; else None."""
+def straggling(results: list[Result], now: float, lag: float, since: float = 0.0) -> float | None:
+    """How long the replicas in progress of a work unit have all been out, counted from
+    `since` at the earliest, if each has been out `lag` seconds or more and none is waiting
+    to be sent; else None."""
     out = [r for r in results if r.server_state is ServerState.IN_PROGRESS]
     if not out or any(r.server_state is ServerState.UNSENT for r in results):
         return None
-    youngest = now - max(r.sent_time or now for r in out)
+    youngest = now - max(max(r.sent_time or now, since) for r in out)
     return youngest if youngest >= lag else None
 
 

@@ -833,3 +833,47 @@ async def test_the_open_dashboard_is_made_once_however_many_ask(tmp_path, monkey
         pages = await asyncio.gather(*(page() for _ in range(50)))
         pages += [await page() for _ in range(50)]
     assert made == [False] and len(set(pages)) == 1 and "tilehive" in pages[0]
+
+
+async def test_a_restart_holds_the_time_the_coordinator_was_down_against_no_host(tmp_path, rng):
+    """A host holding a tile when its coordinator stopped cannot report it until the
+    coordinator is back and the host has asked again. A restarted coordinator counted the
+    time it was down as the host's: the tile out longer than a straggler's time, the host
+    'sat on its work' and was cooled before it could say a word, and a deadline passed
+    meanwhile halved its quota."""
+    a, b = operands(rng, 16, 16, 8, False, False)
+    settings = {"tile": 16, "policy": Policy.FREIVALDS, "straggler_floor": 0.3}
+    async with running(tmp_path, **settings) as (co, queue, url):
+        async with CoordinatorClient(url) as holder, CoordinatorClient(url) as other:
+            await other.register("other")
+            holder_id = await holder.register("holder")
+            token = holder.token
+            product = asyncio.ensure_future(queue.matmul(a, b, step=1, label="w"))
+            await wait_until(lambda: co.ledger.unsent)
+            (held,) = (await holder.request_work("h1", capacity=1))["assignments"]
+        await co.ledger.flush()
+        product.cancel()
+    async with running(tmp_path, **settings) as (co, queue, url):
+        before = co.ledger.hosts[holder_id]
+        deadline = co.ledger.results[held["result_id"]].report_deadline
+        product = asyncio.ensure_future(queue.matmul(a, b, step=1, label="w"))  # taken up again
+        await wait_until(lambda: any(o.gemm for o in co.products.outputs.values()))
+        # The passes run as if the coordinator had been down past a straggler's time (0.3 s),
+        # and then past the tile's deadline, before the host asked again.
+        await co.passes.step(min(time.time() + 1.0, deadline - 0.1))
+        assert co.requests.cooling.left(holder_id, time.time()) == 0
+        await co.passes.step(deadline + 1.0)
+        after = co.ledger.hosts[holder_id]
+        assert (after.max_in_progress, after.error_count) == (
+            before.max_in_progress,
+            before.error_count,
+        )
+        # Back, it reports the tile: taken (late, its replica timed out), and checked.
+        async with CoordinatorClient(url) as holder:
+            holder.token = token
+            tile_a = await holder.fetch_blob(held["a"], max_bytes=1 << 20)
+            tile_b = await holder.fetch_blob(held["b"], max_bytes=1 << 20)
+            tile = compute_tile(held, tile_a, tile_b)[1]
+            reply = await holder.report([{"result_id": held["result_id"], "tile": tile}])
+            assert held["result_id"] in reply["accepted"] + reply.get("late", [])
+        product.cancel()
