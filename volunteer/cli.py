@@ -147,20 +147,32 @@ def volunteer() -> None:
     """Donate this machine's idle CPU to a tilehive project."""
 
 
-@volunteer.command()
-@click.argument("url", envvar="TILEHIVE_URL")
-@option("--daemon", is_flag=True, help="Detach and run in the background.")
-@threads_option
-@max_memory_option
-@option(
+name_option = option(
     "--name",
     default=None,
     callback=lambda ctx, param, value: check_name(value),
     help="Shown in the coordinator's logs and dashboard (default: HOSTNAME/STATE-DIR-NAME, "
     "so each volunteer on one machine has its own).",
 )
+idle_only_option = option(
+    "--idle-only", is_flag=True, help="Pause while other programs keep the CPU busy."
+)
+invite_option = option("--invite", default=None, help="The project's invite code, if it needs one.")
+
+# The exit code of a volunteer the coordinator refuses (quarantined, or its registration
+# refused: a missing or wrong invite code). Asking again would be refused again, so a
+# systemd unit does not restart it (RestartPreventExitStatus).
+REFUSED_EXIT = 3
+
+
+@volunteer.command()
+@click.argument("url", envvar="TILEHIVE_URL")
+@option("--daemon", is_flag=True, help="Detach and run in the background.")
+@threads_option
+@max_memory_option
+@name_option
 @state_dir_option
-@option("--idle-only", is_flag=True, help="Pause while other programs keep the CPU busy.")
+@idle_only_option
 @option(
     "--priority",
     type=click.Choice(["low", "normal"]),
@@ -168,7 +180,7 @@ def volunteer() -> None:
     show_default=True,
     help="CPU priority; low is nice 19.",
 )
-@option("--invite", default=None, help="The project's invite code, if it needs one.")
+@invite_option
 @option(
     "--max-backoff",
     type=Number(min=0.1),
@@ -300,6 +312,8 @@ def _run(config: VolunteerConfig, state: StateDir, report: int | None) -> None:
                 raise click.ClickException(str(exc)) from None
             log.error("%s", exc)
             raise SystemExit(1) from None
+        if worker.state == "refused":  # said once already, in the log (Session._quarantined)
+            raise SystemExit(REFUSED_EXIT)
     finally:
         state.release(lock)
 
@@ -409,7 +423,10 @@ def status_line(s: dict[str, Any]) -> str:
 @click.argument("url", envvar="TILEHIVE_URL")
 @threads_option
 @max_memory_option
+@name_option
 @state_dir_option
+@idle_only_option
+@invite_option
 @option(
     "--unit",
     "unit_path",
@@ -422,7 +439,10 @@ def install_service(
     url: str,
     threads: int,
     max_memory: int,
+    name: str | None,
     state_dir: Path,
+    idle_only: bool,
+    invite: str | None,
     unit_path: Path | None,
     print_only: bool,
 ) -> None:
@@ -430,9 +450,14 @@ def install_service(
     at this installation's tilehive; Nice=19, CPU and I/O scheduling idle, MemoryMax."""
     from volunteer.service import unit, user_unit_path
 
+    options = [
+        *(("--name", name) if name else ()),
+        *(("--invite", invite) if invite else ()),
+        *(("--idle-only",) if idle_only else ()),
+    ]
     try:
         # What `volunteer start` would refuse, the unit would restart every 30 s for ever.
-        text = unit(check_url(url), state_dir, threads, max_memory)
+        text = unit(check_url(url), state_dir, threads, max_memory, options, REFUSED_EXIT)
     except ValueError as exc:
         raise click.ClickException(str(exc)) from None
     if print_only:
@@ -606,7 +631,7 @@ def _say_status(pid: int | None, saved: dict | None, state_dir: Path, as_json: b
 @option("--compute-threads", type=click.IntRange(min=1), default=1, show_default=True)
 @option("--no-long-poll", is_flag=True, help="Never wait for work: latencies are service times.")
 @option("--seed", type=click.IntRange(min=0), default=None, help="Draw the same hosts again.")
-@option("--invite", default=None, help="The project's invite code, if it needs one.")
+@invite_option
 @option(
     "--interval",
     type=Number(min=0),

@@ -35,8 +35,17 @@ def tilehive_command() -> str:
     return f"{quoted(sys.executable)} -m coordinator.cli"
 
 
-def unit(url: str, state_dir: Path, threads: int, max_memory: int) -> str:
-    """The unit file's text for a volunteer of `url` (checked: volunteer.address.check_url).
+def unit(
+    url: str,
+    state_dir: Path,
+    threads: int,
+    max_memory: int,
+    options: list[str],
+    refused_exit: int,
+) -> str:
+    """The unit file's text for a volunteer of `url` (checked: volunteer.address.check_url),
+    with `options` of `volunteer start` added to its command line; `refused_exit`: the exit
+    code of a volunteer the coordinator refuses, which systemd then does not restart.
     ValueError for a value no unit file can hold."""
     template = resources.files("volunteer.systemd").joinpath(UNIT_NAME).read_text()
     return template.format(
@@ -46,6 +55,8 @@ def unit(url: str, state_dir: Path, threads: int, max_memory: int) -> str:
         state_dir=quoted(str(state_dir.expanduser().resolve())),
         threads=threads,
         max_memory=max_memory,
+        options="".join(f" {quoted(option)}" for option in options),
+        refused_exit=refused_exit,
         memory_max=max_memory + MEMORY_HEADROOM_MB,
     )
 

@@ -122,7 +122,11 @@ class CoordinatorSession:
         self._failed(endpoint, exc)
         self.state = "refused"
         self.note = exc.message
-        self.log.error("the coordinator refuses this host: %s", exc.message)
+        # Refused at registration, a host is refused for its invite code, which it gives as
+        # `--invite`: the coordinator's words name the protocol's field.
+        invite = endpoint == "register" and exc.status == 403
+        hint = " (give the project's invite code with --invite)" if invite else ""
+        self.log.error("the coordinator refuses this host: %s%s", exc.message, hint)
 
     async def session(self, stop: asyncio.Event, until: float = math.inf) -> None:
         """Work until `stop` is set or the monotonic time `until`. Raises Quarantined, or

@@ -715,3 +715,21 @@ def test_status_of_a_project_whose_settings_are_broken_says_so(tmp_path, edit, s
         refused = tilehive(command[0], str(project), *command[1:])
         assert refused.returncode == 1 and said in refused.stderr, refused.stderr
         assert refused.stderr.startswith(f"Error: {settings}"), refused.stderr
+
+
+def test_a_volunteer_the_coordinator_refuses_exits_with_its_own_code_and_says_why(tmp_path, reaper):
+    """Refused for a missing or a wrong invite code, it said so and exited 0, which a
+    systemd unit (Restart=on-failure) takes for a project finished."""
+    directory = tmp_path / "invited"
+    projects.create(directory, **{**SMALL, "access.invite_code": "s3cret"})
+    coordinator = reaper(start_coordinator(directory, "127.0.0.1:0", tmp_path / "c.log"))
+    url = first_url(coordinator)
+    for i, invite in enumerate(([], ["--invite", "wrong"])):
+        refused = tilehive(
+            "volunteer", "start", url, "--state-dir", str(tmp_path / f"v{i}"), *invite, timeout=120
+        )
+        assert refused.returncode == 3, refused.stderr
+        assert "Traceback" not in refused.stderr
+        said = [line for line in refused.stderr.splitlines() if "refuses this host" in line]
+        assert len(said) == 1, refused.stderr
+        assert ("needs an invite code" if not invite else "wrong invite code") in said[0]
