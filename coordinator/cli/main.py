@@ -871,13 +871,17 @@ def _admin_call(url: str, path: str, project_dir: Path | None, admin_token: str 
 
     import msgpack
 
+    source = "--token"
     if admin_token is None:
         if project_dir is None:
             raise click.UsageError("give --project DIR (to read DIR/admin.token) or --token")
+        source = str(project_dir / "admin.token")
         try:
             admin_token = (project_dir / "admin.token").read_text().strip()
         except OSError as exc:
-            raise click.ClickException(f"cannot read {project_dir / 'admin.token'}: {exc}") from exc
+            raise click.ClickException(f"cannot read {source}: {exc}") from exc
+    if not admin_token.isprintable():  # an HTTP header cannot carry it; no token holds one
+        raise click.ClickException(f"{source}: an admin token holds no control character")
     url = remote.url_of(url)
     request = urllib.request.Request(
         url + path,
