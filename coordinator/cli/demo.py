@@ -6,11 +6,13 @@ import contextlib
 import json
 import shutil
 import signal
+import socket
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
+import urllib.parse
 import urllib.request
 from pathlib import Path
 
@@ -34,6 +36,26 @@ def _spawn(args: list[str], log: Path) -> subprocess.Popen:
             text=True,
             start_new_session=True,  # Ctrl-C reaches us only; we stop the children in order
         )
+
+
+def last_port(directory: Path) -> int:
+    """The port this project's demo served on last time, if it is free now; else 0 (any).
+    Its volunteers keep their identities by the coordinator's URL: on the same port they
+    are the same hosts again, where on a new one each registered anew, and every name
+    then belonged to several hosts (`logs --host demo-1` had to ask which)."""
+    try:
+        saved = json.loads((directory / "volunteer-0" / "identity.json").read_text())
+        port = urllib.parse.urlsplit(saved["url"]).port or 0
+    except (OSError, ValueError, KeyError, TypeError):
+        return 0
+    with socket.socket() as probe:
+        # As the coordinator binds: the last run's connections, closing, do not hold it.
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            probe.bind(("127.0.0.1", port))
+        except OSError:
+            return 0
+    return port
 
 
 def _status(url: str) -> dict:
@@ -177,10 +199,10 @@ def run_demo(
     logs = directory / "logs"
     children: list[subprocess.Popen] = []
     stopped: Stopped | None = None
+    project: projects.Project | None = None
     try:
         if not (directory / projects.PROJECT_FILE).exists():
-            new = steps or DEFAULT_STEPS
-            projects.create(directory, **{"training.steps": new, "training.checkpoint_every": new})
+            projects.create(directory, **{"training.steps": steps or DEFAULT_STEPS})
         elif steps is not None and steps != settings.training.steps:
             click.echo(
                 f"--steps {steps} is for a new project: {directory} keeps its own "
@@ -193,13 +215,18 @@ def run_demo(
             f"{project.work.policy} validation, {volunteers} volunteers)"
         )
         log = logs / "coordinator.log"
-        earlier = log.stat().st_size if log.exists() else 0  # an earlier run's lines
-        coordinator = _spawn(
-            ["coordinator", str(directory), "--bind", "127.0.0.1:0", "--keep-serving"], log
-        )
-        children.append(coordinator)
-        first = coordinator.stdout.readline()
-        coordinator.stdout.close()
+        for port in dict.fromkeys((last_port(directory), 0)):  # the same port, else any
+            earlier = log.stat().st_size if log.exists() else 0  # an earlier run's lines
+            coordinator = _spawn(
+                ["coordinator", str(directory), "--bind", f"127.0.0.1:{port}", "--keep-serving"],
+                log,
+            )
+            children.append(coordinator)
+            first = coordinator.stdout.readline()
+            coordinator.stdout.close()
+            if "http://" in first:
+                break
+            coordinator.wait()  # taken meanwhile, or failed: said in its log
         if "http://" not in first:
             raise click.ClickException(
                 f"the coordinator did not start{_said(log, earlier)}; see {log}"
@@ -268,7 +295,13 @@ def run_demo(
             "checkpoints and logs)"
         )
     else:
-        click.echo(f"checkpoints: {projects.Project(directory=directory).checkpoints}")
+        folder = projects.Project(directory=directory).checkpoints
+        latest = checkpoints.latest(folder)
+        if latest:
+            click.echo(f"checkpoints: {folder} (the last of step {latest})")
+        elif project is not None:  # stopped before the first
+            first = min(project.training.checkpoint_every, project.training.steps)
+            click.echo(f"checkpoints: none yet (the first is written at step {first})")
         click.echo(f"logs: {logs} (coordinator.log, volunteer-N.log), {directory / 'train.jsonl'}")
     if stopped is not None:
         raise SystemExit(128 + stopped.signum)

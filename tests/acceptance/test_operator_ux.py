@@ -488,7 +488,7 @@ def test_a_volunteer_quarantined_by_the_operator_is_told_so_and_says_so(tmp_path
     poll(lambda: volunteer_status(tmp_path / "v").get("tiles", 0) > 0, what="a tile")
     done = tilehive("admin", "quarantine", url, "mallory", "--project", str(project))
     assert done.returncode == 0, done.stderr
-    assert volunteer.wait(60) == 0  # refused for good: it stops asking
+    assert volunteer.wait(60) == 3  # refused for good: it stops asking, and says so
     status = volunteer_status(tmp_path / "v")
     assert status["state"] == "refused"
     assert status["note"].endswith("is quarantined by the project's operator"), status
@@ -573,6 +573,15 @@ def test_the_demo_with_no_wait_stops_when_training_is_done(tmp_path):
     # --steps is a new project's: this one keeps its 2, and the demo says so
     assert f"--steps 5 is for a new project: {directory} keeps its own 2" in result.stdout
     assert (directory / "checkpoints" / "step-000002.npz").exists()
+    assert f"checkpoints: {directory / 'checkpoints'} (the last of step 2)" in result.stdout
+    # Run again for more steps, its volunteers are the same two hosts: each run registered
+    # them anew (a new port, a new URL), and every name then named several hosts.
+    toml = directory / "project.toml"
+    toml.write_text(re.sub(r"(?m)^steps = 2\b", "steps = 3", toml.read_text()))
+    again = tilehive("demo", "--volunteers", "2", "--dir", str(directory), "--no-wait", timeout=300)
+    assert again.returncode == 0, again.stderr
+    assert (directory / "checkpoints" / "step-000003.npz").exists()
+    assert len(committed(directory, "SELECT id FROM hosts")) == 2
 
 
 def started_by(directory: Path) -> list[int]:
