@@ -38,6 +38,8 @@ log = logging.getLogger(__name__)
 COORDINATOR = web.AppKey("coordinator", Coordinator)
 LOCAL_SOCKET = web.AppKey("local_socket", str)  # its name; "" when there is none
 PAGES = web.AppKey("pages", dashboard.Pages)
+REFUSALS_EVERY = 10.0  # seconds: a log line for an address's refusals of one status at most
+REFUSALS_KEPT = 10_000  # addresses whose last refusal is remembered
 MAX_REGISTER_BYTES = 16 << 10
 MAX_ADMIN_BYTES = 16 << 10  # an admin call carries nothing; a body, if any, is a msgpack map
 # Bodies this large move in pieces: a buffer filled as chunks arrive, a blob written a
@@ -66,17 +68,55 @@ def error_response(status: int, code: str, message: str) -> web.Response:
     return msgpack_response({"error": code, "message": message}, status=status)
 
 
-def _refused(request: web.Request, status: int, detail: str = "") -> None:
-    """One log line for a refused request; the path, the address and the detail came from
-    the network, so they are escaped."""
-    log.warning(
-        "%s %s from %s: %d%s",
-        loggable(request.method),
-        loggable(request.path),
-        loggable(client(request)),
-        status,
-        f" {loggable(detail)}" if detail else "",
-    )
+class RefusalLog:
+    """A log line for each refused request, but for those told to come back later (429,
+    503) at most one every REFUSALS_EVERY seconds for each address and status: a client in
+    a loop, refused 429 after 429, wrote hundreds of lines a second. The next such line
+    says how many were left out. Every other refusal is a line of its own (a lie, a forged
+    id: each one is news). The path, the address and the detail came from the network, so
+    they are escaped."""
+
+    def __init__(self) -> None:
+        # (address, status) -> (when its last line was written, refusals left out since)
+        self._last: dict[tuple[str, int], tuple[float, int]] = {}
+
+    def say(self, request: web.Request, status: int, detail: str = "", later: bool = False) -> None:
+        address = client(request)
+        left_out = self._left_out(address, status) if later else 0
+        if left_out is None:
+            return
+        log.warning(
+            "%s %s from %s: %d%s%s",
+            loggable(request.method),
+            loggable(request.path),
+            loggable(address),
+            status,
+            f" {loggable(detail)}" if detail else "",
+            f" ({left_out} more from it since its last line, not logged)" if left_out else "",
+        )
+
+    def _left_out(self, address: str, status: int) -> int | None:
+        """None while a line for these was written less than REFUSALS_EVERY ago (this
+        refusal is counted instead); else the refusals left out since, and a line is due."""
+        now = time.monotonic()
+        key = (address, status)
+        said, left_out = self._last.get(key, (-math.inf, 0))
+        if now - said < REFUSALS_EVERY:
+            self._last[key] = (said, left_out + 1)
+            return None
+        if len(self._last) >= REFUSALS_KEPT:  # addresses whose time is up are let go
+            self._last = {k: v for k, v in self._last.items() if now - v[0] < REFUSALS_EVERY}
+            if len(self._last) >= REFUSALS_KEPT:
+                self._last.clear()
+        self._last[key] = (now, 0)
+        return left_out
+
+
+REFUSALS = web.AppKey("refusals", RefusalLog)
+
+
+def _refused(request: web.Request, status: int, detail: str = "", later: bool = False) -> None:
+    request.app[REFUSALS].say(request, status, detail, later)
 
 
 @web.middleware
@@ -85,7 +125,7 @@ async def errors(request: web.Request, handler: Handler) -> web.StreamResponse:
     try:
         return await handler(request)
     except ProtocolError as exc:
-        _refused(request, exc.status, exc.message)
+        _refused(request, exc.status, exc.message, later=isinstance(exc, RetryLater))
         response = error_response(exc.status, exc.code, exc.message)
         if isinstance(exc, RetryLater):
             response.headers["Retry-After"] = str(max(1, math.ceil(exc.retry_after)))
@@ -502,6 +542,7 @@ def create_app(
     app[COORDINATOR] = coordinator
     app[LOCAL_SOCKET] = local_socket
     app[PAGES] = dashboard.Pages()
+    app[REFUSALS] = RefusalLog()
 
     async def lifetime(app: web.Application):
         try:
