@@ -114,7 +114,14 @@ def _unpack_document(document: Buffer, moved: Callable[[int, bytes], Any]) -> An
     except FrameError:
         raise
     except Exception as exc:  # msgpack raises several unrelated types for bad input
-        raise FrameError(f"the document is not valid msgpack: {type(exc).__name__}: {exc}") from exc
+        raise FrameError(f"the document is not valid msgpack: {msgpack_failure(exc)}") from exc
+
+
+def msgpack_failure(exc: Exception) -> str:
+    """What msgpack said of bad input: its error's name, and its words where it has any
+    (a FormatError or a StackError has none)."""
+    said = str(exc)
+    return f"{type(exc).__name__}: {said}" if said else type(exc).__name__
 
 
 def document_length(head: Buffer, body_size: int) -> int:

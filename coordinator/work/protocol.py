@@ -152,7 +152,7 @@ def decode(body: frames.Buffer, max_bytes: int) -> dict[str, Any]:
     try:
         message = msgpack.unpackb(body, raw=False, strict_map_key=True)
     except Exception as exc:  # msgpack raises several unrelated types for bad input
-        raise BadRequest(f"body is not valid msgpack: {type(exc).__name__}: {exc}") from exc
+        raise BadRequest(f"body is not valid msgpack: {frames.msgpack_failure(exc)}") from exc
     if not isinstance(message, dict):
         raise BadRequest(f"body must be a msgpack map, got {type(message).__name__}")
     return message

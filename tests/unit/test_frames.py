@@ -5,6 +5,8 @@ from __future__ import annotations
 import msgpack
 import pytest
 
+from coordinator.work import protocol
+from coordinator.work.protocol import BadRequest
 from kernels import frames
 
 
@@ -97,3 +99,11 @@ def test_a_document_read_apart_must_lay_its_binaries_end_to_end(document, traile
     more, or other, binaries than the trailer it announced holds."""
     with pytest.raises(frames.FrameError, match=words):
         frames.unpack_apart(document, trailer)
+
+
+@pytest.mark.parametrize("body", [b"\xc1", b"\x91" * 2000], ids=["FormatError", "StackError"])
+def test_msgpack_that_says_nothing_of_its_error_is_named_without_an_empty_detail(body):
+    """They read `body is not valid msgpack: FormatError: ` (their words are empty)."""
+    with pytest.raises(BadRequest) as refused:
+        protocol.decode(body, 1 << 20)
+    assert refused.value.message.endswith(("FormatError", "StackError"))
