@@ -54,6 +54,11 @@ def _files(source: str) -> tuple[Path, list[Path]]:
         return path.parent, [path]
     if path.is_dir():
         return path, [p for p in path.rglob("*") if p.is_file() and not p.name.startswith(".")]
+    if not path.exists():
+        raise CorpusError(
+            f"corpus source {source!r}: no such file or folder (give a text file, a folder "
+            "of text files, or python-stdlib)"
+        )
     raise CorpusError(f"corpus source {source!r} is neither python-stdlib, a file nor a folder")
 
 

@@ -592,3 +592,14 @@ def test_an_admin_token_with_a_control_character_is_refused_in_one_line(tmp_path
         tilehive("admin", "pause", "http://127.0.0.1:9", "--project", str(tmp_path))
     )
     assert line == f"Error: {tmp_path / 'admin.token'}: an admin token holds no control character"
+
+
+def test_a_corpus_gone_since_init_is_named_as_gone(tmp_path):
+    """It was "neither python-stdlib, a file nor a folder", as if the name were wrong."""
+    text = tmp_path / "corpus.txt"
+    text.write_text("hello world " * 3000)
+    made = tilehive("init", str(tmp_path / "p"), "--corpus", str(text), "--steps", "1")
+    assert made.returncode == 0, made.stderr
+    text.unlink()
+    line = said_once(tilehive("train", str(tmp_path / "p"), "--local"))
+    assert f"corpus source '{text}': no such file or folder" in line, line
