@@ -162,7 +162,7 @@ async def host_project(
                         f"tilehive coordinator: volunteers connect to {public}\n"
                         f"  e.g. tilehive volunteer start {public}"
                     )
-                return await _train(coordinator, project, url, keep_serving, interrupts.stop)
+                return await _train(coordinator, project, public, keep_serving, interrupts.stop)
             finally:
                 # Always, whatever went wrong: this closes the database, whose worker thread
                 # would otherwise keep the process from exiting.
@@ -205,6 +205,7 @@ async def tell_volunteers(coordinator: Coordinator, stop: asyncio.Event) -> None
 async def _train(
     coordinator: Coordinator, project: Project, url: str, keep_serving: bool, stop: asyncio.Event
 ) -> int:
+    """Train to the project's last step; `url`: where volunteers and browsers reach it."""
     steps = project.training.steps
     loop = asyncio.get_running_loop()
     if finished(project):
