@@ -18,7 +18,7 @@ from coordinator.cli import remote
 from coordinator.engine.progress import eta
 from coordinator.state.integrity import DamagedState
 from coordinator.state.lock import ProjectBusy, ProjectLock
-from coordinator.training import checkpoints
+from coordinator.training import checkpoints, history
 from coordinator.training.corpus import CorpusError
 from coordinator.training.project import (
     MAX_SEED,
@@ -469,8 +469,6 @@ def _follow_steps(view, directory: Path, as_json: bool) -> None:
     """One line per finished training step, until Ctrl-C."""
     import json
 
-    from coordinator.training import history
-
     seen = {r["step"] for r in history.read(directory / "train.jsonl")}
     click.echo("-- one line per step as each finishes; Ctrl-C to stop --", err=True)
     try:
@@ -829,7 +827,8 @@ def status_lines(where: str, s: dict) -> list[str]:
     ]
     seconds, why_none = eta(s)
     see_above = " (see above)" if waiting and why_none == "unknown while work waits" else ""
-    lines.append(f"ETA: {int(seconds)}s" if seconds is not None else f"ETA: {why_none}{see_above}")
+    left = history.duration(seconds) if seconds is not None else f"{why_none}{see_above}"
+    lines.append(f"ETA: {left}")
     if s.get("training_locally"):
         lines.append(
             f"coordinator: not running; `tilehive train --local` (pid "

@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING
 from coordinator.engine.progress import eta, host_state
 from coordinator.engine.waiting import clock
 from coordinator.rules.cooling import PROBATION_TILES
+from coordinator.training import history
 from coordinator.work.records import (
     GemmState,
     Host,
@@ -120,15 +121,6 @@ def chart(series: list[list[tuple[float, float]]], colors: list[str], label: str
         + axes
         + "".join(lines)
         + "</svg>"
-    )
-
-
-def _duration(seconds: float) -> str:
-    seconds = int(seconds)
-    return (
-        f"{seconds // 3600}h{seconds // 60 % 60:02d}m"
-        if seconds >= 3600
-        else f"{seconds // 60}m{seconds % 60:02d}s"
     )
 
 
@@ -355,7 +347,7 @@ async def render(co: Coordinator, fragment: bool = False) -> str:
     cards = [
         f"<span id='step'>step <b>{step}</b> of {steps}</span>",
         f"<span>loss <b>{loss}</b></span>",
-        f"<span>ETA {_duration(seconds) if seconds is not None else e(why_none)}</span>",
+        f"<span>ETA {history.duration(seconds) if seconds is not None else e(why_none)}</span>",
         f"<span>{status['tiles_per_second']:.1f} tiles/s</span>",
         f"<span>hosts {hosts['active']} active, {paused}"
         f"{status['hosts_quarantined']} quarantined</span>",
