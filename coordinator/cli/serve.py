@@ -157,7 +157,9 @@ async def host_project(
             try:
                 public = public_url(bind_host, url)
                 lock.describe(url=public)
-                if not finished(project):  # else it only says so (_train), and stops
+                # A finished project's coordinator only says so (_train) and stops, unless
+                # it keeps serving (its dashboard and status).
+                if keep_serving or not finished(project):
                     announce(
                         f"tilehive coordinator: volunteers connect to {public}\n"
                         f"  e.g. tilehive volunteer start {public}"
