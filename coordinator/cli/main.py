@@ -836,6 +836,8 @@ def status_lines(where: str, s: dict) -> list[str]:
         )
     elif "coordinator" in s and not s["coordinator"]:
         lines.append("coordinator: not running (tilehive coordinator DIR)")
+    elif s.get("coordinator"):  # a directory's summary, its coordinator serving
+        lines.append(f"coordinator: serving {remote.escaped(str(s['coordinator']))}")
     return lines
 
 

@@ -314,6 +314,7 @@ def test_status_says_a_pause_once_and_no_eta_while_paused_or_without_a_coordinat
     said = tilehive("status", str(project)).stdout
     assert said.count("paused") == 1 and "waiting:" not in said, said
     assert "ETA: none while paused" in said
+    assert f"coordinator: serving {url}" in said  # where to look, and to send `admin` to
     assert "ETA: none while paused" in tilehive("status", url).stdout
     for target in (url, str(project)):
         assert status_of(target)["training"]["eta_seconds"] is None, target
