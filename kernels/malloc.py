@@ -49,7 +49,7 @@ from the network. So a freed buffer's mapping is kept (`Recycler`) for the next 
 exactly its size, as long as the buffers in use and those kept fit a limit the daemon sets
 within the memory it gives its work and its cache (`recycle_within`): its resident size
 stays within what it may hold, a kept buffer is unmapped before a fresh one would pass the
-limit, and all of them are when the daemon has nothing to do (`let_go`).
+limit, and all of them are whenever the daemon waits (`let_go`).
 """
 
 from __future__ import annotations
@@ -148,13 +148,19 @@ class Recycler:
                 _, mapping, start = self._kept.pop(same)
                 self.kept_bytes -= nbytes
             else:
+                # The oldest kept go first, before the new mapping makes the process grow.
                 while self._kept and self.in_use + self.kept_bytes + nbytes > self.limit:
-                    size, _, _ = self._kept.popitem(last=False)[1]  # unmapped as it goes
+                    size, _, _ = self._kept.popitem(last=False)[1]  # its last reference
                     self.kept_bytes -= size
                 mapping, start = _fresh_mapping(nbytes)
             self.in_use += nbytes
-        whole = np.frombuffer(mapping, np.uint8)
-        freed = weakref.finalize(whole, self._freed.append, (nbytes, mapping, start))
+        try:
+            whole = np.frombuffer(mapping, np.uint8)
+            freed = weakref.finalize(whole, self._freed.append, (nbytes, mapping, start))
+        except BaseException:
+            with self._lock:
+                self.in_use -= nbytes  # never handed out: nothing will give it back
+            raise
         freed.atexit = False  # nothing to keep at exit
         return whole[start : start + nbytes]
 
@@ -165,9 +171,11 @@ class Recycler:
             self.kept_bytes = 0
 
     def _file_freed(self) -> None:
+        freed = []
         while self._freed:
-            size, mapping, start = self._freed.popleft()
-            self.in_use -= size
+            freed.append(self._freed.popleft())
+        self.in_use -= sum(size for size, _, _ in freed)  # all of them first: none is in use
+        for size, mapping, start in freed:
             if self.in_use + self.kept_bytes + size <= self.limit:
                 self._kept[id(mapping)] = (size, mapping, start)
                 self.kept_bytes += size

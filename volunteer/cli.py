@@ -37,6 +37,7 @@ from volunteer.logsetup import configure as configure_logging
 from volunteer.logsetup import one_line
 from volunteer.profile import ProfileError
 from volunteer.profile import load as load_profile
+from volunteer.service import REFUSED_EXIT
 from volunteer.state import AlreadyRunning, StateDir, default_state_dir
 
 ENV_PREFIX = "TILEHIVE_"
@@ -158,11 +159,6 @@ idle_only_option = option(
     "--idle-only", is_flag=True, help="Pause while other programs keep the CPU busy."
 )
 invite_option = option("--invite", default=None, help="The project's invite code, if it needs one.")
-
-# The exit code of a volunteer the coordinator refuses (quarantined, or its registration
-# refused: a missing or wrong invite code). Asking again would be refused again, so a
-# systemd unit does not restart it (RestartPreventExitStatus).
-REFUSED_EXIT = 3
 
 
 @volunteer.command()
@@ -450,14 +446,10 @@ def install_service(
     at this installation's tilehive; Nice=19, CPU and I/O scheduling idle, MemoryMax."""
     from volunteer.service import unit, user_unit_path
 
-    options = [
-        *(("--name", name) if name else ()),
-        *(("--invite", invite) if invite else ()),
-        *(("--idle-only",) if idle_only else ()),
-    ]
+    options = [*(("--name", name) if name else ()), *(("--idle-only",) if idle_only else ())]
     try:
         # What `volunteer start` would refuse, the unit would restart every 30 s for ever.
-        text = unit(check_url(url), state_dir, threads, max_memory, options, REFUSED_EXIT)
+        text = unit(check_url(url), state_dir, threads, max_memory, options, invite)
     except ValueError as exc:
         raise click.ClickException(str(exc)) from None
     if print_only:
@@ -466,6 +458,8 @@ def install_service(
     target = unit_path or user_unit_path()
     try:
         target.parent.mkdir(parents=True, exist_ok=True)
+        target.touch(mode=0o600)  # its invite code, if any, for this user's eyes only
+        target.chmod(0o600)
         target.write_text(text)
     except OSError as exc:
         raise click.ClickException(f"cannot write {target}: {exc.strerror}") from exc

@@ -215,9 +215,6 @@ class PullLoop(CoordinatorSession):
     def _heard(self, reply: dict[str, Any], wait: bool) -> None:
         """A work request was answered (after long-polling, if `wait`)."""
 
-    def _resting(self) -> None:
-        """No work, or paused: the loop waits before it asks again."""
-
     def _failed(self, endpoint: str, exc: BaseException) -> None:
         self.stats.errors += 1
 

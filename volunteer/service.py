@@ -9,17 +9,21 @@ from pathlib import Path
 
 UNIT_NAME = "tilehive-volunteer.service"
 MEMORY_HEADROOM_MB = 100  # the interpreter and libraries, beyond --max-memory
+# The exit code of a volunteer the coordinator refuses (quarantined, or its registration
+# refused for a missing or wrong invite code: sysexits' EX_NOPERM). Asking again would be
+# refused again, so the unit does not restart it (RestartPreventExitStatus).
+REFUSED_EXIT = 77
 
 
-def quoted(value: str) -> str:
-    """`value` as one word of a systemd command line: in double quotes, its backslashes and
-    quotes escaped, and `%` and `$` doubled, which systemd would otherwise expand (a
-    specifier, a variable). ValueError for a control character: a newline would end the
-    line and begin another setting of the unit."""
+def quoted(value: str, command: bool = True) -> str:
+    """`value` as one word of a systemd line: in double quotes, its backslashes and quotes
+    escaped, and `%` doubled, which systemd would expand (a specifier), as it would `$` on a
+    `command` line (a variable; elsewhere, as in Environment=, `$` is plain text). ValueError
+    for a control character: a newline would end the line and begin another setting."""
     if not value.isprintable():
         raise ValueError(f"{value!r} holds a control character, which a unit file cannot hold")
-    escaped = value.replace("\\", "\\\\").replace('"', '\\"')
-    return '"' + escaped.replace("%", "%%").replace("$", "$$") + '"'
+    escaped = value.replace("\\", "\\\\").replace('"', '\\"').replace("%", "%%")
+    return '"' + (escaped.replace("$", "$$") if command else escaped) + '"'
 
 
 def tilehive_command() -> str:
@@ -41,12 +45,12 @@ def unit(
     threads: int,
     max_memory: int,
     options: list[str],
-    refused_exit: int,
+    invite: str | None = None,
 ) -> str:
     """The unit file's text for a volunteer of `url` (checked: volunteer.address.check_url),
-    with `options` of `volunteer start` added to its command line; `refused_exit`: the exit
-    code of a volunteer the coordinator refuses, which systemd then does not restart.
-    ValueError for a value no unit file can hold."""
+    with `options` of `volunteer start` added to its command line, and the invite code, if
+    any, in its environment (TILEHIVE_INVITE): on a command line every user of the machine
+    could read it. ValueError for a value no unit file can hold."""
     template = resources.files("volunteer.systemd").joinpath(UNIT_NAME).read_text()
     return template.format(
         url=quoted(url),
@@ -56,7 +60,10 @@ def unit(
         threads=threads,
         max_memory=max_memory,
         options="".join(f" {quoted(option)}" for option in options),
-        refused_exit=refused_exit,
+        environment=(
+            f"Environment={quoted(f'TILEHIVE_INVITE={invite}', command=False)}\n" if invite else ""
+        ),
+        refused_exit=REFUSED_EXIT,
         memory_max=max_memory + MEMORY_HEADROOM_MB,
     )
 

@@ -117,6 +117,10 @@ class CoordinatorSession:
     def _failed(self, endpoint: str, exc: BaseException) -> None:
         """Something went wrong on the wire (`endpoint`: the call that failed)."""
 
+    def _resting(self) -> None:
+        """The session waits before it asks again: no work, paused, or the coordinator
+        unreachable or refusing for now."""
+
     def _quarantined(self, endpoint: str, exc: ServerRefused) -> None:
         """The coordinator refuses this host for good; the session ends after this."""
         self._failed(endpoint, exc)
@@ -189,6 +193,7 @@ class CoordinatorSession:
                 )
                 self.note = f"{what} ({failure(exc)}); retry in {delay:.1f}s"
                 self.log.warning(self.note)
+                self._resting()
                 await wait(stop, delay)
 
     def _stranger(self, endpoint: str, exc: BaseException, why: str) -> None:
@@ -257,6 +262,7 @@ class CoordinatorSession:
         if not said:  # the words of something in between (a proxy), not the coordinator's
             self.note = f"a reply not in the coordinator's words ({exc.status}): {exc.message}"
         self.log.warning("%s; retry in %.1fs", self.note, delay)
+        self._resting()
         await wait(stop, delay)
 
 

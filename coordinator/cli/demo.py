@@ -44,7 +44,8 @@ def last_port(directory: Path) -> int:
     are the same hosts again, where on a new one each registered anew, and every name
     then belonged to several hosts (`logs --host demo-1` had to ask which)."""
     try:
-        saved = json.loads((directory / "volunteer-0" / "identity.json").read_text())
+        # Read, not through volunteer.state.StateDir, which makes the folder it names.
+        saved = json.loads((volunteer_dir(directory, 0) / "identity.json").read_text())
         port = urllib.parse.urlsplit(saved["url"]).port or 0
     except (OSError, ValueError, KeyError, TypeError):
         return 0
@@ -56,6 +57,11 @@ def last_port(directory: Path) -> int:
         except OSError:
             return 0
     return port
+
+
+def volunteer_dir(directory: Path, i: int) -> Path:
+    """The state directory of the demo's i-th volunteer."""
+    return directory / f"volunteer-{i}"
 
 
 def _status(url: str) -> dict:
@@ -96,7 +102,7 @@ def _busy_share(directory: Path, volunteers: int) -> float | None:
     compute = uptime = 0.0
     for i in range(volunteers):
         try:
-            status = json.loads((directory / f"volunteer-{i}" / "status.json").read_text())
+            status = json.loads((volunteer_dir(directory, i) / "status.json").read_text())
         except (OSError, ValueError):
             continue
         compute += status.get("compute_seconds", 0.0)
@@ -226,7 +232,7 @@ def run_demo(
             coordinator.stdout.close()
             if "http://" in first:
                 break
-            coordinator.wait()  # taken meanwhile, or failed: said in its log
+            _stop(coordinator)  # the port taken meanwhile, or failed: said in its log
         if "http://" not in first:
             raise click.ClickException(
                 f"the coordinator did not start{_said(log, earlier)}; see {log}"
@@ -240,7 +246,7 @@ def run_demo(
                     "start",
                     url,
                     "--state-dir",
-                    str(directory / f"volunteer-{i}"),
+                    str(volunteer_dir(directory, i)),
                     "--threads",
                     "1",
                     "--name",

@@ -15,7 +15,7 @@ import numpy as np
 
 import kernels
 from coordinator.cli import remote
-from coordinator.engine.progress import eta
+from coordinator.engine.progress import duration, eta
 from coordinator.state.integrity import DamagedState
 from coordinator.state.lock import ProjectBusy, ProjectLock
 from coordinator.training import checkpoints, history
@@ -827,7 +827,7 @@ def status_lines(where: str, s: dict) -> list[str]:
     ]
     seconds, why_none = eta(s)
     see_above = " (see above)" if waiting and why_none == "unknown while work waits" else ""
-    left = history.duration(seconds) if seconds is not None else f"{why_none}{see_above}"
+    left = duration(seconds) if seconds is not None else f"{why_none}{see_above}"
     lines.append(f"ETA: {left}")
     if s.get("training_locally"):
         lines.append(
@@ -881,8 +881,11 @@ def _admin_call(url: str, path: str, project_dir: Path | None, admin_token: str 
             admin_token = (project_dir / "admin.token").read_text().strip()
         except OSError as exc:
             raise click.ClickException(f"cannot read {source}: {exc}") from exc
-    if not admin_token.isprintable():  # an HTTP header cannot carry it; no token holds one
-        raise click.ClickException(f"{source}: an admin token holds no control character")
+    if not (admin_token.isascii() and admin_token.isprintable()):  # as tokens are made
+        raise click.ClickException(
+            f"{source}: an admin token is printable ASCII (no control character, no space "
+            "or letter beyond it)"
+        )
     url = remote.url_of(url)
     request = urllib.request.Request(
         url + path,

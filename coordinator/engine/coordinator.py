@@ -234,6 +234,8 @@ class Coordinator:
                 len(active),
                 sum(len(self.ledger.wus_of.get(g.id, ())) for g in active),
             )
+        # From now on a host can reach it: what it held from before is judged from here.
+        self.passes.started = self.requests.started = time.time()
         self.loop = asyncio.create_task(self.passes.run(), name="tilehive-passes")
         self._tasks = [
             self.loop,

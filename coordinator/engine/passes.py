@@ -85,9 +85,10 @@ class Passes:
         self._wake = asyncio.Event()
         self.after_pass = lambda now: None  # the Coordinator's bookkeeping (tile rates)
         self._stragglers_seen = 0.0  # when the passes last looked for stragglers
-        # When this coordinator started. Work restored at a start was out while it was down:
-        # a host could not report to it then, nor until it has been heard from since, so
-        # that time is held against no host (it neither sat on a tile nor missed a deadline).
+        # When this coordinator started serving (the Coordinator sets it). Work restored at
+        # a start was out while it was down: a host could not report to it then, nor until
+        # it is heard from again, so that time is held against no host (it neither sat on
+        # a tile nor missed a deadline).
         self.started = time.time()
         # A host sat on a tile that needed a straggler's spare (the Coordinator: no new work
         # for it a while, rules/cooling.py).
@@ -96,7 +97,8 @@ class Passes:
         # and of the tiles a host on probation took: result id -> (host id, when it is
         # judged, the seconds it has once its pause ends; 0.0: not yet put off by a pause).
         # Still out then, the host sat on it after all. A paused host's is judged `math.inf`
-        # until its first request after the pause (`resumed`).
+        # until its first request after the pause (`resumed`), and a host not heard from
+        # since a restart until it is (`_judge`, `_judged`).
         self._judging: dict[str, tuple[int, float, float]] = {}
         # Hosts paused for their owners (`paused`, through WorkRequests.on_paused) that may
         # hold work not yet spared: each pass spares it, once another host is at work.
@@ -446,9 +448,7 @@ class Passes:
         sitting = set(self._judged(now))  # hosts that sat on a spared tile: once each
         self._spare(now, sitting)
         for host_id in sorted(sitting):
-            host = self.ledger.hosts.get(host_id)
-            if host is not None and self.heard_from_since_start(host):
-                self.sat_on(host_id, now)
+            self.sat_on(host_id, now)
 
     def _spare(self, now: float, sitting: set[int]) -> None:
         """The spares of _spare_stragglers; the hosts found sitting on their tiles (or to be
@@ -495,8 +495,14 @@ class Passes:
         host_id = result.host_id
         assert host_id is not None
         uploads = per_byte * queued_upload_bytes(self.ledger, host_id) if per_byte else 0.0
-        sent = max(result.sent_time or now, self.started)
-        judged_at = sent + lag + self.config.straggler_factor * uploads
+        allowed = lag + self.config.straggler_factor * uploads
+        host = self.ledger.hosts.get(host_id)
+        if host is not None and not self.heard_from_since_start(host):
+            # Out since before a restart: judged once it is heard from again, with the time
+            # it had (_judged), as a paused host is from its pause's end.
+            self._judging[result.id] = (host_id, math.inf, allowed)
+            return
+        judged_at = max(result.sent_time or now, self.started) + allowed
         if judged_at <= now:
             sitting.add(host_id)
             self._judging.pop(result.id, None)  # judged now: not again for the same tile
@@ -506,11 +512,18 @@ class Passes:
     def _judged(self, now: float) -> list[int]:
         """Hosts whose time to send a spared tile has run out with the tile still out."""
         hosts = []
-        for result_id, (host_id, judged_at, _) in list(self._judging.items()):
+        for result_id, (host_id, judged_at, allowed) in list(self._judging.items()):
             result = self.ledger.results.get(result_id)
             if result is None or result.server_state is not ServerState.IN_PROGRESS:
                 del self._judging[result_id]  # reported, given back or timed out: done
-            elif judged_at <= now:
+                continue
+            host = self.ledger.hosts.get(host_id)
+            back = host is not None and self.heard_from_since_start(host)
+            if judged_at == math.inf and host_id not in self._paused and back:
+                # Heard from again after a restart: its time runs from then.
+                judged_at = host.last_contact + allowed
+                self._judging[result_id] = (host_id, judged_at, allowed)
+            if judged_at <= now:
                 del self._judging[result_id]
                 hosts.append(host_id)
         return hosts
@@ -546,7 +559,7 @@ class Passes:
                 self._spare_one(wu, now, message)
 
 
-def straggling(results: list[Result], now: float, lag: float, since: float = 0.0) -> float | None:
+def straggling(results: list[Result], now: float, lag: float, since: float) -> float | None:
     """How long the replicas in progress of a work unit have all been out, counted from
     `since` at the earliest, if each has been out `lag` seconds or more and none is waiting
     to be sent; else None."""

@@ -147,3 +147,13 @@ def _count(values) -> dict[str, int]:
 
 def _as_dict(wait) -> dict | None:
     return wait.to_dict() if wait is not None else None
+
+
+def duration(seconds: float) -> str:
+    """A time left as every view says it: 3m46s, or 43h44m from an hour on."""
+    seconds = int(seconds)
+    return (
+        f"{seconds // 3600}h{seconds // 60 % 60:02d}m"
+        if seconds >= 3600
+        else f"{seconds // 60}m{seconds % 60:02d}s"
+    )

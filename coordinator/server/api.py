@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import errno
 import logging
@@ -73,22 +74,27 @@ class RefusalLog:
     503) at most one every REFUSALS_EVERY seconds for each address and status: a client in
     a loop, refused 429 after 429, wrote hundreds of lines a second. The next such line
     says how many were left out. Every other refusal is a line of its own (a lie, a forged
-    id: each one is news). The path, the address and the detail came from the network, so
+    id: each one is news). The method, path, address and detail came from the network, so
     they are escaped."""
 
-    def __init__(self) -> None:
-        # (address, status) -> (when its last line was written, refusals left out since)
-        self._last: dict[tuple[str, int], tuple[float, int]] = {}
+    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
+        self.clock = clock
+        # (address, status) -> (when its last line was written, refusals left out since),
+        # the least recently refused first.
+        self._last: collections.OrderedDict[tuple[str, int], tuple[float, int]] = (
+            collections.OrderedDict()
+        )
 
-    def say(self, request: web.Request, status: int, detail: str = "", later: bool = False) -> None:
-        address = client(request)
+    def say(
+        self, method: str, path: str, address: str, status: int, detail: str, later: bool
+    ) -> None:
         left_out = self._left_out(address, status) if later else 0
         if left_out is None:
             return
         log.warning(
             "%s %s from %s: %d%s%s",
-            loggable(request.method),
-            loggable(request.path),
+            loggable(method),
+            loggable(path),
             loggable(address),
             status,
             f" {loggable(detail)}" if detail else "",
@@ -98,17 +104,19 @@ class RefusalLog:
     def _left_out(self, address: str, status: int) -> int | None:
         """None while a line for these was written less than REFUSALS_EVERY ago (this
         refusal is counted instead); else the refusals left out since, and a line is due."""
-        now = time.monotonic()
+        now = self.clock()
         key = (address, status)
-        said, left_out = self._last.get(key, (-math.inf, 0))
+        said, left_out = self._last.pop(key, (-math.inf, 0))
         if now - said < REFUSALS_EVERY:
             self._last[key] = (said, left_out + 1)
             return None
-        if len(self._last) >= REFUSALS_KEPT:  # addresses whose time is up are let go
-            self._last = {k: v for k, v in self._last.items() if now - v[0] < REFUSALS_EVERY}
-            if len(self._last) >= REFUSALS_KEPT:
-                self._last.clear()
         self._last[key] = (now, 0)
+        if len(self._last) > REFUSALS_KEPT:  # the least recent goes, its count said
+            (gone, status_gone), (_, untold) = self._last.popitem(last=False)
+            if untold:
+                log.warning(
+                    "%d refusal(s) %d from %s were not logged", untold, status_gone, loggable(gone)
+                )
         return left_out
 
 
@@ -116,7 +124,7 @@ REFUSALS = web.AppKey("refusals", RefusalLog)
 
 
 def _refused(request: web.Request, status: int, detail: str = "", later: bool = False) -> None:
-    request.app[REFUSALS].say(request, status, detail, later)
+    request.app[REFUSALS].say(request.method, request.path, client(request), status, detail, later)
 
 
 @web.middleware

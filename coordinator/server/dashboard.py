@@ -18,10 +18,9 @@ import math
 import time
 from typing import TYPE_CHECKING
 
-from coordinator.engine.progress import eta, host_state
+from coordinator.engine.progress import duration, eta, host_state
 from coordinator.engine.waiting import clock
 from coordinator.rules.cooling import PROBATION_TILES
-from coordinator.training import history
 from coordinator.work.records import (
     GemmState,
     Host,
@@ -347,7 +346,7 @@ async def render(co: Coordinator, fragment: bool = False) -> str:
     cards = [
         f"<span id='step'>step <b>{step}</b> of {steps}</span>",
         f"<span>loss <b>{loss}</b></span>",
-        f"<span>ETA {history.duration(seconds) if seconds is not None else e(why_none)}</span>",
+        f"<span>ETA {duration(seconds) if seconds is not None else e(why_none)}</span>",
         f"<span>{status['tiles_per_second']:.1f} tiles/s</span>",
         f"<span>hosts {hosts['active']} active, {paused}"
         f"{status['hosts_quarantined']} quarantined</span>",

@@ -51,13 +51,3 @@ def progress(records: list[dict[str, Any]], steps: int | None) -> dict[str, Any]
             summary["eta_seconds"] = sum(recent) / len(recent) * max(0, steps - last["step"])
     summary["done"] = bool(steps) and summary["step"] >= steps
     return summary
-
-
-def duration(seconds: float) -> str:
-    """A time left as every view says it: 3m46s, or 43h44m from an hour on."""
-    seconds = int(seconds)
-    return (
-        f"{seconds // 3600}h{seconds // 60 % 60:02d}m"
-        if seconds >= 3600
-        else f"{seconds // 60}m{seconds % 60:02d}s"
-    )

@@ -489,7 +489,7 @@ def test_a_volunteer_quarantined_by_the_operator_is_told_so_and_says_so(tmp_path
     poll(lambda: volunteer_status(tmp_path / "v").get("tiles", 0) > 0, what="a tile")
     done = tilehive("admin", "quarantine", url, "mallory", "--project", str(project))
     assert done.returncode == 0, done.stderr
-    assert volunteer.wait(60) == 3  # refused for good: it stops asking, and says so
+    assert volunteer.wait(60) == 77  # refused for good: it stops asking, and says so
     status = volunteer_status(tmp_path / "v")
     assert status["state"] == "refused"
     assert status["note"].endswith("is quarantined by the project's operator"), status
@@ -738,7 +738,7 @@ def test_a_volunteer_the_coordinator_refuses_exits_with_its_own_code_and_says_wh
         refused = tilehive(
             "volunteer", "start", url, "--state-dir", str(tmp_path / f"v{i}"), *invite, timeout=120
         )
-        assert refused.returncode == 3, refused.stderr
+        assert refused.returncode == 77, refused.stderr  # sysexits' EX_NOPERM
         assert "Traceback" not in refused.stderr
         said = [line for line in refused.stderr.splitlines() if "refuses this host" in line]
         assert len(said) == 1, refused.stderr

@@ -89,23 +89,30 @@ def test_the_unit_holds_odd_values_as_written_and_refuses_what_it_cannot(tmp_pat
         assert refused.stderr.startswith("Error: ") and len(refused.stderr.splitlines()) == 1
 
 
-def test_the_unit_takes_the_name_the_invite_code_and_idle_only_and_never_restarts_a_refusal():
+def test_the_unit_takes_the_name_the_invite_code_and_idle_only_and_never_restarts_a_refusal(
+    tmp_path,
+):
     """A project that needs an invite code could not be joined through the unit (it had no
-    --invite), and a volunteer it refused exited 0; now it exits 3, which the unit does not
-    restart: it would only be refused again."""
+    --invite), and a volunteer it refused exited 0; now it exits 77, which the unit does not
+    restart: it would only be refused again. The code is in the unit's environment, not on
+    the command line every user of the machine can read, and the unit is the user's alone."""
+    unit = tmp_path / "tilehive-volunteer.service"
     done = tilehive(
         "volunteer",
         "install-service",
         "http://h:1",
-        "--print",
-        *("--name", "lab pc %1", "--invite", 'se"cret$', "--idle-only"),
+        "--unit",
+        str(unit),
+        *("--name", "lab pc %1", "--invite", 'se"cret$x', "--idle-only"),
     )
     assert done.returncode == 0, done.stderr
-    lines = dict(line.split("=", 1) for line in done.stdout.splitlines() if "=" in line)
+    assert unit.stat().st_mode & 0o777 == 0o600
+    lines = dict(line.split("=", 1) for line in unit.read_text().splitlines() if "=" in line)
     command = systemd_words(lines["ExecStart"])
     assert command[command.index("--name") + 1] == "lab pc %1"
-    assert command[command.index("--invite") + 1] == 'se"cret$'
-    assert "--idle-only" in command
-    assert lines["Restart"] == "on-failure" and lines["RestartPreventExitStatus"] == "3"
+    assert "--idle-only" in command and "--invite" not in command
+    (variable,) = shlex.split(lines["Environment"])
+    assert variable.replace("%%", "%") == 'TILEHIVE_INVITE=se"cret$x'  # `$` is plain there
+    assert lines["Restart"] == "on-failure" and lines["RestartPreventExitStatus"] == "77"
     bad = tilehive("volunteer", "install-service", "http://h:1", "--print", "--name", "123")
     assert bad.returncode == 1 and bad.stderr.startswith("Error: --name '123'")

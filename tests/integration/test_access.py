@@ -844,26 +844,32 @@ async def test_a_restart_holds_the_time_the_coordinator_was_down_against_no_host
     coordinator is back and the host has asked again. A restarted coordinator counted the
     time it was down as the host's: the tile out longer than a straggler's time, the host
     'sat on its work' and was cooled before it could say a word, and a deadline passed
-    meanwhile halved its quota."""
+    meanwhile halved its quota. Back, the host has a straggler's time from then: one that
+    sits on the tile still sat on it."""
     a, b = operands(rng, 16, 16, 8, False, False)
     settings = {"tile": 16, "policy": Policy.FREIVALDS, "straggler_floor": 0.3}
-    async with running(tmp_path, **settings) as (co, queue, url):
-        async with CoordinatorClient(url) as holder, CoordinatorClient(url) as other:
-            await other.register("other")
-            holder_id = await holder.register("holder")
-            token = holder.token
-            product = asyncio.ensure_future(queue.matmul(a, b, step=1, label="w"))
-            await wait_until(lambda: co.ledger.unsent)
-            (held,) = (await holder.request_work("h1", capacity=1))["assignments"]
-        await co.ledger.flush()
-        product.cancel()
+
+    async def hold_a_tile(step: int) -> tuple[int, str, dict]:
+        """A product of one tile; a host holding it as its coordinator stops."""
+        async with running(tmp_path, **settings) as (co, queue, url):
+            async with CoordinatorClient(url) as holder, CoordinatorClient(url) as other:
+                await other.register("other")
+                holder_id = await holder.register("holder")
+                product = asyncio.ensure_future(queue.matmul(a, b, step=step, label="w"))
+                await wait_until(lambda: co.ledger.unsent)
+                (held,) = (await holder.request_work("h1", capacity=1))["assignments"]
+            await co.ledger.flush()
+            product.cancel()
+        return holder_id, holder.token, held
+
+    holder_id, token, held = await hold_a_tile(step=1)
     async with running(tmp_path, **settings) as (co, queue, url):
         before = co.ledger.hosts[holder_id]
         deadline = co.ledger.results[held["result_id"]].report_deadline
         product = asyncio.ensure_future(queue.matmul(a, b, step=1, label="w"))  # taken up again
         await wait_until(lambda: any(o.gemm for o in co.products.outputs.values()))
-        # The passes run as if the coordinator had been down past a straggler's time (0.3 s),
-        # and then past the tile's deadline, before the host asked again.
+        # The passes run as if the coordinator had been down past a straggler's time
+        # (0.3 s), and then past the tile's deadline, before the host asked again.
         await co.passes.step(min(time.time() + 1.0, deadline - 0.1))
         assert co.requests.cooling.left(holder_id, time.time()) == 0
         await co.passes.step(deadline + 1.0)
@@ -880,4 +886,20 @@ async def test_a_restart_holds_the_time_the_coordinator_was_down_against_no_host
             tile = compute_tile(held, tile_a, tile_b)[1]
             reply = await holder.report([{"result_id": held["result_id"], "tile": tile}])
             assert held["result_id"] in reply["accepted"] + reply.get("late", [])
+        product.cancel()
+
+    holder_id, token, held = await hold_a_tile(step=2)  # another tile, sat on this time
+    async with running(tmp_path, **settings) as (co, queue, url):
+        deadline = co.ledger.results[held["result_id"]].report_deadline
+        product = asyncio.ensure_future(queue.matmul(a, b, step=2, label="w"))
+        await wait_until(lambda: any(o.gemm for o in co.products.outputs.values()))
+        await co.passes.step(min(time.time() + 1.0, deadline - 0.1))  # not heard: not judged
+        assert co.requests.cooling.left(holder_id, time.time()) == 0
+        async with CoordinatorClient(url) as holder:
+            holder.token = token
+            await holder.request_work("h2", capacity=0, in_progress=[held["result_id"]])
+        # Heard, it holds the tile on, a straggler's time and more: it sat on it.
+        await co.passes.step(min(time.time() + 1.0, deadline - 0.1))
+        await co.passes.step(min(time.time() + 2.0, deadline - 0.05))
+        assert co.requests.cooling.left(holder_id, time.time()) > 0
         product.cancel()

@@ -8,6 +8,7 @@ import socket
 
 import pytest
 
+from coordinator.server.api import REFUSALS_EVERY, RefusalLog
 from coordinator.training import project as projects
 from coordinator.work import protocol
 from coordinator.work.protocol import loggable
@@ -93,3 +94,25 @@ def test_a_forged_path_and_a_malformed_header_stay_on_one_line_of_the_real_log(t
         "/v1/nothing\\n2030-01-01 00:00:00,000 INFO FORGED\\x00 from 127.0.0.1: 404" in (refused[0])
     )
     assert len([line for line in lines if "malformed HTTP" in line]) == 1
+
+
+def test_refusals_told_to_come_back_later_are_a_line_every_ten_seconds_and_the_count(caplog):
+    """A client in a loop, refused 429 after 429, wrote 245 lines in 0.3 s; any other
+    refusal (a lie, a forged id) is news each time."""
+    now = [0.0]
+    refusals = RefusalLog(clock=lambda: now[0])
+    for _ in range(5):
+        refusals.say("POST", "/v1/work", "10.0.0.1", 429, "over the rate", later=True)
+    refusals.say("POST", "/v1/work", "10.0.0.2", 429, "over the rate", later=True)
+    for _ in range(2):
+        refusals.say("POST", "/v1/results", "10.0.0.1", 400, "a lie", later=False)
+    now[0] = REFUSALS_EVERY
+    refusals.say("POST", "/v1/work", "10.0.0.1", 429, "over the rate", later=True)
+    assert [r.getMessage() for r in caplog.records] == [
+        "POST /v1/work from 10.0.0.1: 429 over the rate",
+        "POST /v1/work from 10.0.0.2: 429 over the rate",
+        "POST /v1/results from 10.0.0.1: 400 a lie",
+        "POST /v1/results from 10.0.0.1: 400 a lie",
+        "POST /v1/work from 10.0.0.1: 429 over the rate (4 more from it since its last line, "
+        "not logged)",
+    ]

@@ -172,14 +172,15 @@ def test_a_buffer_without_room_is_a_memory_error() -> None:
 # A daemon's freed buffers, kept within a limit of 24 MiB: whether an 8 MiB buffer taken
 # after one was freed is that one (its old bytes, not a fresh mapping's zeros), also when the
 # first was freed by another thread; the resident MiB added by a 20 MiB buffer that does not
-# fit beside the kept one (which must go first); those still added once it is freed (kept);
-# and after `let_go`.
+# fit beside the kept one (which must go first); those still added once it is freed and the
+# next buffer taken (kept); after `let_go`; and, within a limit of 16 MiB, what a freed
+# 20 MiB buffer leaves resident (it does not fit: unmapped).
 RECYCLED = """
-import threading
+import os, threading
 from kernels import malloc
 def resident():
     with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * 4096 / 2**20
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
 took = malloc.return_freed_memory()
 malloc.recycle_within(24 << 20)
 tile = malloc.empty_bytes(8 << 20); tile[:] = 7; del tile
@@ -193,18 +194,27 @@ base = resident()
 other = malloc.empty_bytes(20 << 20); other[:] = 1
 beside = resident() - base
 del other
+small = malloc.empty_bytes(2 << 20); small[:] = 1  # files the freed one: kept, 22 of 24
 kept = resident() - base
 malloc.let_go()
-print(took, reused, across, round(beside), round(kept), round(resident() - base))
+after_rest = resident() - base
+malloc.recycle_within(16 << 20)
+big = malloc.empty_bytes(20 << 20); big[:] = 1
+before = resident()
+del big
+small = malloc.empty_bytes(2 << 20)  # files the freed one: 20 MiB do not fit 16
+dropped = resident() - before
+print(took, reused, across, round(beside), round(kept), round(after_rest), round(dropped))
 """
 
 
 def test_a_daemons_freed_buffer_is_reused_within_its_limit_and_given_back_at_rest() -> None:
-    took, reused, across, beside, kept, after_rest = run_probe(RECYCLED, "tuned")
+    took, reused, across, beside, kept, after_rest, dropped = run_probe(RECYCLED, "tuned")
     if took != "True":
         pytest.skip("not glibc's malloc")
     assert reused == "True" and across == "True"
     # The kept 8 MiB were unmapped before the 20 MiB were mapped: 24 at most, never 28.
     assert int(beside) <= 13
-    assert int(kept) >= 12  # 20 freed, kept: within the limit
-    assert int(after_rest) <= -7  # the 20 kept and the 8 before them, given back
+    assert int(kept) >= 13  # the 20 freed and kept, within the limit, and the 2 taken
+    assert int(after_rest) <= -6  # given back: the 20 and the 8 before them
+    assert int(dropped) <= -18  # beyond the limit: unmapped when it was filed

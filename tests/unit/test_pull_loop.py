@@ -796,3 +796,17 @@ async def test_a_paused_volunteer_rests():
     PausedAndCountsRests.rests = []
     await run_until(NoWork(), lambda: len(PausedAndCountsRests.rests) >= 2, PausedAndCountsRests)
     assert len(PausedAndCountsRests.rests) >= 2
+
+
+class DownAndCountsRests(CountsRests):
+    pass
+
+
+async def test_a_volunteer_that_cannot_reach_its_coordinator_rests():
+    """Its kept buffers were held through the whole outage, on someone else's machine."""
+    DownAndCountsRests.rests = []
+    coordinator = DownAtFirst(down=2)
+    await run_until(
+        coordinator, lambda: len(coordinator.reported) >= 2, DownAndCountsRests, backoff=quick()
+    )
+    assert DownAndCountsRests.rests[:2] == [False, False]  # each wait for the coordinator
