@@ -88,8 +88,16 @@ def _summary(directory: Path) -> list[str]:
         states = reader.result_verdicts()
         hosts = reader.host_totals()
         gemms, wus = reader.product_counts()
+        oldest = reader.oldest_step()
+    # A project checkpointed before its last step (one made with `init`) keeps no rows of
+    # the steps before that checkpoint; the hosts' own totals count every step.
+    purged = (
+        f" of steps {oldest} on (those before were purged at a checkpoint)"
+        if (oldest or 1) > 1
+        else ""
+    )
     lines = [
-        f"validation: {wus} work units in {gemms} products; results "
+        f"validation: {wus} work units in {gemms} products{purged}; results "
         + ", ".join(f"{n} {state}" for state, n in sorted(states.items())),
     ]
     for name, valid, invalid, errors in hosts:
@@ -208,7 +216,10 @@ def run_demo(
     project: projects.Project | None = None
     try:
         if not (directory / projects.PROJECT_FILE).exists():
-            projects.create(directory, **{"training.steps": steps or DEFAULT_STEPS})
+            # One checkpoint, at the last step: an earlier one would purge the steps before it
+            # from the database, and the summary counts every step's work.
+            new = steps or DEFAULT_STEPS
+            projects.create(directory, **{"training.steps": new, "training.checkpoint_every": new})
         elif steps is not None and steps != settings.training.steps:
             click.echo(
                 f"--steps {steps} is for a new project: {directory} keeps its own "

@@ -97,9 +97,11 @@ class Passes:
         # and of the tiles a host on probation took: result id -> (host id, when it is
         # judged, the seconds it has once its pause ends; 0.0: not yet put off by a pause).
         # Still out then, the host sat on it after all. A paused host's is judged `math.inf`
-        # until its first request after the pause (`resumed`), and a host not heard from
-        # since a restart until it is (`_judge`, `_judged`).
+        # until its first request after the pause (`resumed`).
         self._judging: dict[str, tuple[int, float, float]] = {}
+        # Spared tiles out since before a restart whose holder has not been heard from since:
+        # result id -> (host id, the seconds it has once it is, from then: `_judged`).
+        self._unheard: dict[str, tuple[int, float]] = {}
         # Hosts paused for their owners (`paused`, through WorkRequests.on_paused) that may
         # hold work not yet spared: each pass spares it, once another host is at work.
         self._paused: set[int] = set()
@@ -498,9 +500,9 @@ class Passes:
         allowed = lag + self.config.straggler_factor * uploads
         host = self.ledger.hosts.get(host_id)
         if host is not None and not self.heard_from_since_start(host):
-            # Out since before a restart: judged once it is heard from again, with the time
-            # it had (_judged), as a paused host is from its pause's end.
-            self._judging[result.id] = (host_id, math.inf, allowed)
+            # Out since before a restart: judged from its return, as a paused host is from
+            # its pause's end.
+            self._unheard[result.id] = (host_id, allowed)
             return
         judged_at = max(result.sent_time or now, self.started) + allowed
         if judged_at <= now:
@@ -511,19 +513,20 @@ class Passes:
 
     def _judged(self, now: float) -> list[int]:
         """Hosts whose time to send a spared tile has run out with the tile still out."""
+        for result_id, (host_id, allowed) in list(self._unheard.items()):
+            result = self.ledger.results.get(result_id)
+            host = self.ledger.hosts.get(host_id)
+            if result is None or result.server_state is not ServerState.IN_PROGRESS:
+                del self._unheard[result_id]  # reported, given back or timed out: done
+            elif host is not None and self.heard_from_since_start(host):
+                del self._unheard[result_id]  # back: its time runs from its return
+                self._judging[result_id] = (host_id, host.last_contact + allowed, allowed)
         hosts = []
-        for result_id, (host_id, judged_at, allowed) in list(self._judging.items()):
+        for result_id, (host_id, judged_at, _) in list(self._judging.items()):
             result = self.ledger.results.get(result_id)
             if result is None or result.server_state is not ServerState.IN_PROGRESS:
                 del self._judging[result_id]  # reported, given back or timed out: done
-                continue
-            host = self.ledger.hosts.get(host_id)
-            back = host is not None and self.heard_from_since_start(host)
-            if judged_at == math.inf and host_id not in self._paused and back:
-                # Heard from again after a restart: its time runs from then.
-                judged_at = host.last_contact + allowed
-                self._judging[result_id] = (host_id, judged_at, allowed)
-            if judged_at <= now:
+            elif judged_at <= now:
                 del self._judging[result_id]
                 hosts.append(host_id)
         return hosts
