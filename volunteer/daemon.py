@@ -210,7 +210,7 @@ class Volunteer(PullLoop):
             log.info("coordinator: %s", note)
 
     def _resting(self) -> None:
-        let_go()  # a daemon with nothing to do holds no memory it does not use
+        let_go()  # a daemon that waits holds no memory it does not use
 
     def _forget(self) -> None:
         self.state_dir.identity_file.unlink(missing_ok=True)
