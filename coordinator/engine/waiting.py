@@ -3,9 +3,10 @@ volunteers too small for the tiles or on uplinks too slow to send them, voluntee
 quiet or paused by their owners, or too few of them for the validation policy.
 
 Checked once a second. A change is said once: a warning in the log when work starts to wait
-(an info line when it flows again) and a `wait` event (`waiting` or `flowing`), so that
-`tilehive status DIR` and `tilehive logs` see it as well as `/v1/status` and the dashboard;
-a host asking for work while it waits is told why in its reply's `note`."""
+(but for the operator's pause, said where it is made), an info line when it flows again,
+and a `wait` event (`waiting` or `flowing`), so that `tilehive status DIR` and `tilehive
+logs` see it as well as `/v1/status` and the dashboard; a host asking for work while it
+waits is told why in its reply's `note`."""
 
 from __future__ import annotations
 
@@ -277,11 +278,13 @@ class Waiting:
             self.current = Wait(found.reason, found.message, found.tiles, now)
             if before is None:
                 self._began = now
-            # Most reasons say "work waits for ..." themselves.
+            # Most reasons say "work waits for ..." themselves. The operator's pause is said
+            # where it is made, once (engine/operator.py, and Coordinator at a restart).
             said = found.message
             if not said.startswith("work waits"):
                 said = f"work waits: {said}"
-            log.warning("%s", said, extra={"reason": found.reason})
+            if found.reason != "paused":
+                log.warning("%s", said, extra={"reason": found.reason})
             data = json.dumps({"reason": found.reason})
             self.ledger.log([Event(now, "wait", "waiting", found.message, data=data)])
         else:

@@ -329,6 +329,7 @@ def test_status_says_a_pause_once_and_no_eta_while_paused_or_without_a_coordinat
     logged = (tmp_path / "c.log").read_text()
     assert logged.count("project paused by the operator") == 1
     assert logged.count("project resumed by the operator") == 1
+    assert "the project is paused" not in logged  # said once, not again as a wait
     said = tilehive("status", str(project)).stdout
     assert "coordinator: not running" in said and "ETA: none while no coordinator runs" in said
 
