@@ -133,7 +133,6 @@ class Recycler:
     def __init__(self) -> None:
         self.limit = 0
         self.in_use = 0  # bytes of the buffers handed out and not yet freed
-        self.kept_bytes = 0
         self._kept: collections.OrderedDict[int, tuple[int, mmap.mmap, int]] = (
             collections.OrderedDict()
         )
@@ -146,12 +145,10 @@ class Recycler:
             same = next((key for key, kept in self._kept.items() if kept[0] == nbytes), None)
             if same is not None:
                 _, mapping, start = self._kept.pop(same)
-                self.kept_bytes -= nbytes
             else:
                 # The oldest kept go first, before the new mapping makes the process grow.
-                while self._kept and self.in_use + self.kept_bytes + nbytes > self.limit:
-                    size, _, _ = self._kept.popitem(last=False)[1]  # its last reference
-                    self.kept_bytes -= size
+                while self._kept and self.in_use + self.kept_bytes() + nbytes > self.limit:
+                    self._kept.popitem(last=False)  # its last reference: unmapped
                 mapping, start = _fresh_mapping(nbytes)
             self.in_use += nbytes
         try:
@@ -168,7 +165,9 @@ class Recycler:
         with self._lock:
             self._file_freed()
             self._kept.clear()
-            self.kept_bytes = 0
+
+    def kept_bytes(self) -> int:
+        return sum(size for size, _, _ in self._kept.values())  # a few dozen at most
 
     def _file_freed(self) -> None:
         freed = []
@@ -176,9 +175,8 @@ class Recycler:
             freed.append(self._freed.popleft())
         self.in_use -= sum(size for size, _, _ in freed)  # all of them first: none is in use
         for size, mapping, start in freed:
-            if self.in_use + self.kept_bytes + size <= self.limit:
+            if self.in_use + self.kept_bytes() + size <= self.limit:
                 self._kept[id(mapping)] = (size, mapping, start)
-                self.kept_bytes += size
 
 
 recycler = Recycler()

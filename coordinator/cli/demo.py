@@ -19,6 +19,7 @@ from pathlib import Path
 import click
 from tqdm import tqdm
 
+from coordinator.cli.serve import finished
 from coordinator.state.lock import in_use
 from coordinator.state.reader import ProjectReader
 from coordinator.training import checkpoints, history
@@ -193,8 +194,7 @@ def run_demo(
         if busy:
             raise click.ClickException(busy)
         settings = projects.load(directory)
-        done = checkpoints.latest(settings.checkpoints) or 0
-        if done >= settings.training.steps:
+        if finished(settings):
             click.echo(
                 f"nothing to do: all {settings.training.steps} steps of {directory} are done "
                 "(raise training.steps in its project.toml to train more)"
