@@ -4,6 +4,7 @@ or cut off, they count as connected for a minute, and the operator heard nothing
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 
 import msgpack
@@ -138,5 +139,33 @@ async def test_products_are_cut_and_shared_for_the_volunteers_not_paused(tmp_pat
         assert co.crowd.crowd(now + 4).hosts == 1
         await co.requests.request_work(host, WorkRequest("r3", 0, (), (), None, False), now)
         assert co.crowd.crowd(now + 6).hosts == 2
+    finally:
+        await co.stop()
+
+
+async def test_a_volunteer_that_registered_but_never_asked_does_not_make_work_flow(
+    tmp_path, rng, caplog
+):
+    """Killed between registering and its first ask (or a script that only registers), it
+    took no work: it is no volunteer connected, and the log said "work flows again" at its
+    registration, then that it had gone quiet 40 s later. Its first ask counts."""
+    caplog.set_level(logging.INFO, logger="coordinator.engine.waiting")
+    co = Coordinator(CoordinatorConfig(directory=tmp_path, tile=16), MemoryStore())
+    await co.start()
+    try:
+        a, b = operands(rng, 32, 16, 16, True, False)
+        product = asyncio.create_task(co.products.matmul(a, b, trans_a=True, label="x"))
+        await wait_until(lambda: co.ledger.unsent, 10)
+        now = time.time()
+        co.waiting.check(now)
+        assert co.waiting.check(now + 1) and co.waiting.reason == "no_volunteers"
+        host, _ = await co.hosts.register(RegisterRequest("h", 10.0, 1, 512), now + 2)
+        assert not co.waiting.check(now + 3) and co.waiting.reason == "no_volunteers"
+        assert not any("flows again" in r.getMessage() for r in caplog.records)
+        request = WorkRequest("r1", 0, (), (), None, False)  # asks, with no room just now
+        await co.requests.request_work(host, request, now + 4)
+        assert co.waiting.check(now + 5) and co.waiting.current is None
+        assert any("work flows again" in r.getMessage() for r in caplog.records)
+        product.cancel()
     finally:
         await co.stop()
