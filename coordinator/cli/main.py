@@ -625,13 +625,13 @@ def logs_tasks(
             click.echo(json.dumps({"type": "task", **row}))
     else:
         click.echo(
-            f"{'WU':12}  {'STEP':>4}  {'GEMM':18} {'TILE':19} {'STATE':11} "
+            f"{'WU':12}  {'STEP':>4}  {'GEMM':22} {'TILE':19} {'STATE':11} "
             f"{'VALID':>5}  {'HOSTS':24} {'CREATED':8}  DONE"
         )
         for r in rows:
             i0, i1, j0, j1 = r["tile"]
             click.echo(
-                f"{short_workunit_id(r['wu'])}  {r['step']:>4}  {r['gemm'][:18]:18} "
+                f"{short_workunit_id(r['wu'])}  {r['step']:>4}  {r['gemm'][:22]:22} "
                 f"{f'[{i0}:{i1},{j0}:{j1}]':19} {r['state']:11} "
                 f"{r['valid']:>2}/{r['replicas']:<2}  {','.join(r['hosts'])[:24]:24} "
                 f"{_clock(r['created'])}  {_clock(r['finished'])}"

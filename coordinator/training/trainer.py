@@ -22,7 +22,7 @@ from coordinator.state.blobs import sweep_temporary
 from coordinator.training import checkpoints
 from coordinator.training.corpus import Corpus
 from coordinator.training.corpus import load as load_corpus
-from coordinator.training.model import Params, TinyGPT, init_params, param_shapes
+from coordinator.training.model import Backend, Params, TinyGPT, init_params, param_shapes
 from coordinator.training.optimizer import AdamState, adamw_step, learning_rate
 from coordinator.training.project import Project
 from kernels import nn
@@ -62,6 +62,22 @@ class LocalBackend:
     batched = staticmethod(batched_gemm)
 
 
+class MicroBatchBackend:
+    """A backend whose products are labelled with their micro-batch (`mb1.block0.fc.fwd`):
+    both micro-batches run the same layers at once, and the task log, the dashboard and a
+    failed product's log line tell them apart."""
+
+    def __init__(self, backend: Backend, part: int) -> None:
+        self.backend = backend
+        self.prefix = f"mb{part}."
+        self.batched = backend.batched
+
+    def matmul(self, a, b, *, trans_a: bool, trans_b: bool, label: str) -> Awaitable[np.ndarray]:
+        return self.backend.matmul(
+            a, b, trans_a=trans_a, trans_b=trans_b, label=self.prefix + label
+        )
+
+
 @dataclass
 class StepReport:
     step: int
@@ -97,6 +113,8 @@ class Trainer:
         self.project = project
         self.backend = backend
         self.model = TinyGPT(project.model, backend)
+        parts = project.training.micro_batches
+        self.parts = [TinyGPT(project.model, MicroBatchBackend(backend, i)) for i in range(parts)]
         self.corpus = corpus
         self.metrics = project.directory / "train.jsonl"
         # Called after each checkpoint with its step (the coordinator prunes old blobs).
@@ -147,8 +165,10 @@ class Trainer:
             return await self.model.loss_and_grads(params, tokens, targets)
         results = await asyncio.gather(
             *(
-                self.model.loss_and_grads(params, x, y)
-                for x, y in zip(np.split(tokens, parts), np.split(targets, parts), strict=True)
+                model.loss_and_grads(params, x, y)
+                for model, x, y in zip(
+                    self.parts, np.split(tokens, parts), np.split(targets, parts), strict=True
+                )
             )
         )
         scale = np.float32(1.0 / parts)

@@ -70,3 +70,29 @@ def test_a_step_checkpointed_as_training_stops_is_in_the_history(tmp_path):
     checkpointed = sorted(int(p.stem[5:]) for p in project.checkpoints.glob("step-??????.npz"))
     assert checkpointed[:2] == [1, 2]
     assert [r["step"] for r in history.read(trainer.metrics)] == checkpointed
+
+
+def test_each_micro_batchs_products_are_labelled_with_it(tmp_path):
+    """Both micro-batches run the same layers at once: the task log, the dashboard and a
+    failed product's log line named each product twice, alike."""
+
+    class Labels(LocalBackend):
+        def __init__(self) -> None:
+            super().__init__()
+            self.seen: list[str] = []
+
+        async def matmul(self, a, b, *, trans_a: bool, trans_b: bool, label: str):
+            self.seen.append(label)
+            return await super().matmul(a, b, trans_a=trans_a, trans_b=trans_b, label=label)
+
+    project = projects.create(
+        tmp_path / "p", **{**SMALL, "training.steps": 1, "training.micro_batches": 2}
+    )
+    backend = Labels()
+    asyncio.run(Trainer(project, backend).run())
+    first = sorted(label.removeprefix("mb0.") for label in backend.seen if label.startswith("mb0."))
+    second = sorted(
+        label.removeprefix("mb1.") for label in backend.seen if label.startswith("mb1.")
+    )
+    assert first and first == second and "head.fwd" in first
+    assert len(first) + len(second) == len(backend.seen)
