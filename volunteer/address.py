@@ -93,6 +93,17 @@ def answer(status: int, content_type: str, body: bytes | memoryview) -> str:
     )
 
 
+def is_status(summary: object) -> bool:
+    """Whether a JSON document has the shape of a coordinator's status (what `status`
+    prints reads these fields)."""
+    if not isinstance(summary, dict) or not isinstance(summary.get("workunits"), dict):
+        return False
+    shapes = {"training": dict, "host_states": dict, "results": dict, "waiting": dict}
+    return all(
+        summary.get(key) is None or isinstance(summary[key], shape) for key, shape in shapes.items()
+    )
+
+
 def not_tilehive(
     url: str, request: str, status: int, content_type: str, body: bytes | memoryview
 ) -> str:

@@ -14,6 +14,7 @@ import asyncio
 import contextlib
 import contextvars
 import functools
+import json
 import logging
 import math
 import random
@@ -30,9 +31,10 @@ import aiohttp
 import numpy as np
 
 import kernels
+from volunteer.address import answer, is_status, not_tilehive
 from volunteer.backoff import Backoff
 from volunteer.cache import BlobCache
-from volunteer.client import CoordinatorClient, ServerRefused, compute_tile
+from volunteer.client import CONTENT_TYPE, CoordinatorClient, ServerRefused, compute_tile
 from volunteer.loop import PullLoop, Stats
 from volunteer.policy import MB, budget_for
 from volunteer.profile import HostTraits, Profile
@@ -57,6 +59,10 @@ T = TypeVar("T")
 # The connector queue time of the current host's request (see _trace_config).
 _queued: contextvars.ContextVar[list[float]] = contextvars.ContextVar("queued")
 UNPACED_MBPS = 1e5  # megabits a second: an uplink this fast or faster is not modelled
+
+
+GATEWAY = (502, 503, 504)  # a proxy's word on a coordinator behind it that is down
+STATUS_BODY = 1 << 20  # bytes of a status reply read: a coordinator's is a few KB
 
 
 class CoordinatorUnreachable(RuntimeError):
@@ -648,10 +654,31 @@ def _trace_config() -> aiohttp.TraceConfig:
 
 
 async def _coordinator_status(session: aiohttp.ClientSession, url: str) -> dict[str, Any]:
+    """GET URL/v1/status, or CoordinatorUnreachable saying what answered instead."""
     async with session.get(url.rstrip("/") + "/v1/status") as resp:
-        if resp.status != 200:
-            raise CoordinatorUnreachable(f"{url}/v1/status answered {resp.status}")
-        return await resp.json()
+        body = await _at_most(resp.content, STATUS_BODY)
+        try:
+            summary = json.loads(body)
+        except ValueError:
+            summary = None
+        if resp.status == 200 and is_status(summary):
+            return summary
+        request, said = "GET /v1/status", answer(resp.status, resp.content_type, body)
+        if resp.status in GATEWAY:
+            why = f"cannot reach a coordinator at {url}: {request} answered {said}"
+        elif resp.content_type == CONTENT_TYPE:  # a coordinator's own refusal
+            why = f"{url}: the coordinator answered {said}"
+        else:
+            why = not_tilehive(url, request, resp.status, resp.content_type, body)
+        raise CoordinatorUnreachable(why)
+
+
+async def _at_most(stream: aiohttp.StreamReader, limit: int) -> bytes:
+    """The body, or its first `limit` bytes: another server's answer may be anything."""
+    body = bytearray()
+    while len(body) < limit and (chunk := await stream.read(limit - len(body))):
+        body += chunk
+    return bytes(body)
 
 
 async def _watch_done(

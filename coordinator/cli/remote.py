@@ -14,7 +14,7 @@ import click
 import msgpack
 
 from coordinator.work.protocol import CONTENT_TYPE
-from volunteer.address import answer, check_url, not_tilehive
+from volunteer.address import answer, check_url, is_status, not_tilehive
 from volunteer.logsetup import one_line
 
 GATEWAY = (502, 503, 504)  # a proxy's word on a coordinator behind it that is down
@@ -109,17 +109,6 @@ def escaped(value: Any) -> Any:
     if isinstance(value, list):
         return [escaped(item) for item in value]
     return value
-
-
-def is_status(summary: Any) -> bool:
-    """Whether a JSON document has the shape of a coordinator's status (what `status`
-    prints reads these fields)."""
-    if not isinstance(summary, dict) or not isinstance(summary.get("workunits"), dict):
-        return False
-    shapes = {"training": dict, "host_states": dict, "results": dict, "waiting": dict}
-    return all(
-        summary.get(key) is None or isinstance(summary[key], shape) for key, shape in shapes.items()
-    )
 
 
 def admin_reply(url: str, request: str, code: int, content_type: str, body: bytes) -> dict:

@@ -421,6 +421,8 @@ def test_status_and_admin_name_another_web_server(answer, said):
     for url in serve(answer):
         line = one_line_error(tilehive("status", url))
         assert line.startswith(f"Error: {url} {NOT_TILEHIVE}: GET /v1/status answered {said}")
+        line = one_line_error(tilehive("emulate", url, "--hosts", "1", "--duration", "1"))
+        assert line.startswith(f"Error: {url} {NOT_TILEHIVE}: GET /v1/status answered {said}")
         line = one_line_error(tilehive("admin", "pause", url, "--token", "x"))
         assert line.startswith(f"Error: {url} {NOT_TILEHIVE}: POST /v1/admin/pause answered")
 
