@@ -332,13 +332,18 @@ async def _serve(worker: Volunteer, state: StateDir, lock: int, interactive: boo
         log.info("volunteer stopped after %d tiles", worker.stats.tiles)
 
 
+STATUS_LOG_EVERY = 30.0  # seconds between status lines in the log (no terminal)
+
+
 async def _report_status(
     worker: Volunteer, state: StateDir, lock: int, stop: asyncio.Event, live: bool
 ) -> None:
     """Write status.json every second; in a terminal, also redraw one status line. Stop
     the volunteer if its state directory is deleted or replaced under it: `status` and
     `stop` could no longer find it, and it would run on unseen."""
-    last_line = 0.0
+    # The log's first status line comes STATUS_LOG_EVERY in: at the start it would say "starting:
+    # 0 tiles, 0.0 GFLOPS delivered" beside the line that says what the kernel does.
+    last_line = time.monotonic()
     unwritten = ""  # the last error writing status.json, said once
     while not stop.is_set():
         if not state.holds(lock):
@@ -359,7 +364,7 @@ async def _report_status(
         if live:
             width = shutil.get_terminal_size((LIVE_WIDTH, 24)).columns
             click.echo("\r" + live_line(status, width), nl=False)
-        elif time.monotonic() - last_line > 30:
+        elif time.monotonic() - last_line > STATUS_LOG_EVERY:
             log.info(status_line(status))
             last_line = time.monotonic()
         with contextlib.suppress(TimeoutError):
