@@ -101,6 +101,24 @@ class RefusalLog:
             f" ({left_out} more from it since its last line, not logged)" if left_out else "",
         )
 
+    def sweep(self) -> None:
+        """Say the counts left out of clients whose last line is REFUSALS_EVERY old: one
+        that stops (or slows down) would otherwise never have its count said."""
+        now = self.clock()
+        due = [
+            (key, untold)
+            for key, (said, untold) in self._last.items()
+            if untold and now - said >= REFUSALS_EVERY
+        ]
+        for (address, status), untold in due:
+            log.warning(
+                "%d more refusal(s) %d from %s since its last line, not logged",
+                untold,
+                status,
+                loggable(address),
+            )
+            self._last[(address, status)] = (now, 0)  # a line said now, in its place
+
     def _left_out(self, address: str, status: int) -> int | None:
         """None while a line for these was written less than REFUSALS_EVERY ago (this
         refusal is counted instead); else the refusals left out since, and a line is due."""
@@ -121,6 +139,12 @@ class RefusalLog:
 
 
 REFUSALS = web.AppKey("refusals", RefusalLog)
+
+
+async def _sweep_refusals(refusals: RefusalLog) -> None:
+    while True:
+        await asyncio.sleep(REFUSALS_EVERY)
+        refusals.sweep()
 
 
 def _refused(request: web.Request, status: int, detail: str = "", later: bool = False) -> None:
@@ -561,7 +585,9 @@ def create_app(
             with contextlib.suppress(Exception):
                 await coordinator.stop()
             raise
+        sweeping = asyncio.create_task(_sweep_refusals(app[REFUSALS]), name="tilehive-refusals")
         yield
+        sweeping.cancel()
         await coordinator.stop()
 
     app.cleanup_ctx.append(lifetime)

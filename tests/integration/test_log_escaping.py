@@ -116,3 +116,21 @@ def test_refusals_told_to_come_back_later_are_a_line_every_ten_seconds_and_the_c
         "POST /v1/work from 10.0.0.1: 429 over the rate (4 more from it since its last line, "
         "not logged)",
     ]
+
+
+def test_the_count_of_refusals_left_out_is_said_when_the_client_stops(caplog):
+    """A client refused in a loop that then stops (or slows down) had the count of its
+    refusals left out never said: the next line, which says it, never came."""
+    now = [0.0]
+    refusals = RefusalLog(clock=lambda: now[0])
+    for _ in range(3):
+        refusals.say("POST", "/v1/work", "10.0.0.3", 429, "over the rate", later=True)
+    refusals.sweep()  # not yet: its line was just written
+    now[0] = REFUSALS_EVERY
+    refusals.sweep()
+    now[0] = 3 * REFUSALS_EVERY
+    refusals.sweep()  # said once
+    assert [r.getMessage() for r in caplog.records] == [
+        "POST /v1/work from 10.0.0.3: 429 over the rate",
+        "2 more refusal(s) 429 from 10.0.0.3 since its last line, not logged",
+    ]
