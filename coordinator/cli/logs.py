@@ -10,7 +10,8 @@ import json
 import re
 import time
 from collections import defaultdict
-from datetime import datetime
+from datetime import datetime, timedelta
+from datetime import time as dt_time
 from pathlib import Path
 from shlex import quote
 from typing import Any
@@ -33,7 +34,9 @@ class InspectError(ValueError):
 
 
 def parse_since(value: str | None, now: float | None = None) -> float | None:
-    """'90s', '10m', '2h', '1d' ago, or an ISO date/time, as a Unix time."""
+    """'90s', '10m', '2h', '1d' ago, a time of day (14:05 or 14:05:30: the latest such
+    moment, today's or else yesterday's, as the log shows times), or an ISO date/time, as a
+    Unix time."""
     if value is None:
         return None
     now = time.time() if now is None else now
@@ -41,12 +44,28 @@ def parse_since(value: str | None, now: float | None = None) -> float | None:
     if match:
         scale = {"s": 1, "m": 60, "h": 3600, "d": 86400}[match.group(2)]
         return now - float(match.group(1)) * scale
+    if match := re.fullmatch(r"(\d{1,2}):(\d{2})(?::(\d{2}))?", value.strip()):
+        return _time_of_day(*(int(part or 0) for part in match.groups()), value=value, now=now)
     try:
         return datetime.fromisoformat(value).timestamp()
     except ValueError as exc:
         raise InspectError(
-            f"{value!r}: use a duration like 90s, 10m, 2h, 1d or an ISO time"
+            f"{value!r}: use a duration like 90s, 10m, 2h, 1d, a time of day like 14:05 "
+            "or an ISO time"
         ) from exc
+
+
+def _time_of_day(hour: int, minute: int, second: int, *, value: str, now: float) -> float:
+    """The latest moment at or before `now` whose local clock read hour:minute:second."""
+    try:
+        clock = dt_time(hour, minute, second)
+    except ValueError:
+        raise InspectError(f"{value!r}: not a time of day (00:00 to 23:59:59)") from None
+    today = datetime.fromtimestamp(now).date()
+    when = datetime.combine(today, clock).timestamp()
+    if when > now:
+        when = datetime.combine(today - timedelta(days=1), clock).timestamp()
+    return when
 
 
 class NotStarted(InspectError):

@@ -553,7 +553,11 @@ log_filters = [
         "--step", type=click.IntRange(min=0, max=MAX_STEPS), default=None, help="Only this step."
     ),
     option("--host", default=None, help="Only this host (id or name)."),
-    option("--since", default=None, help="Only since: 90s, 10m, 2h, 1d or an ISO time."),
+    option(
+        "--since",
+        default=None,
+        help="Only since: 90s, 10m, 2h, 1d ago, a time of day (14:05) or an ISO time.",
+    ),
     option("--follow", "-f", is_flag=True, help="Keep printing new events as they happen."),
     option("--failures", is_flag=True, help="Only failures (invalid results, errors, timeouts)."),
     option("--json", "as_json", is_flag=True, help="One JSON object per line."),
