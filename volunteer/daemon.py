@@ -6,6 +6,7 @@ import asyncio
 import contextlib
 import functools
 import logging
+import math
 import os
 import resource
 import socket
@@ -25,7 +26,7 @@ from volunteer.cache import BlobCache
 from volunteer.client import CoordinatorClient, compute_tile
 from volunteer.idle import OwnerWatch
 from volunteer.loop import PullLoop
-from volunteer.policy import GROWTH, MB, WORKSPACE_PER_THREAD, computes_inline
+from volunteer.policy import GROWTH, MB, WORKSPACE_PER_THREAD, budget_for, computes_inline
 from volunteer.session import ProjectFinished, Quarantined
 from volunteer.state import StateDir
 
@@ -78,6 +79,7 @@ class VolunteerConfig:
     invite: str | None = None  # the project's invite code, if it asks for one
 
 
+MAX_NEED_MB = 1 << 24  # a work unit's need (from the network) past this is not believed
 # Seconds a registration waits for a coordinator that has not answered yet (other calls
 # have minutes: a large body on a slow link): an address that takes connections and says
 # nothing is then said in seconds.
@@ -201,6 +203,9 @@ class Volunteer(PullLoop):
         if self.state == "paused":
             return  # its own note says why (its owner): the answer only repeats that
         note = reply.get("note", "")
+        need = reply.get("memory_need_mb")
+        if note and isinstance(need, int | float) and 0 < need < MAX_NEED_MB:
+            note = f"{note} (start this volunteer with --max-memory {self._max_memory_for(need)})"
         self.server_note = note
         if note and note != self._logged_note:
             # Once per reason, however often the coordinator repeats it between tiles. At
@@ -208,6 +213,12 @@ class Volunteer(PullLoop):
             # volunteers), which is nothing this volunteer did wrong or can mend.
             self._logged_note = note
             log.info("coordinator: %s", note)
+
+    def _max_memory_for(self, need_mb: float) -> int:
+        """The --max-memory that would offer a work unit of `need_mb`: what this process
+        keeps of --max-memory for itself now, and the budget that offers it."""
+        own = self.config.max_memory_mb - self.budget / MB
+        return math.ceil(own + budget_for(math.ceil(need_mb), self.config.threads) / MB)
 
     def _resting(self) -> None:
         let_go()  # a daemon that waits holds no memory it does not use

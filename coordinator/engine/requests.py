@@ -342,11 +342,15 @@ class WorkRequests:
             why = self.cooling.why.get(host.id) or "it sat on a tile"
             message["note"] = f"no new work for {math.ceil(cooling)}s: {why}"
         elif plan.too_big and not assignments:
+            need_mb = plan.smallest_need / (1 << 20)
             message["note"] = (
-                f"{plan.too_big} work unit(s) need more memory than this host offers "
-                f"({host.max_memory_mb} MB); the smallest needs "
-                f"{plan.smallest_need / (1 << 20):.1f} MB: raise --max-memory"
+                f"{len(plan.too_big)} work unit(s) need more memory than this volunteer "
+                f"offers for one ({host.max_memory_mb} MB); the smallest needs "
+                f"{need_mb:.1f} MB: raise --max-memory"
             )
+            # The volunteer knows what --max-memory leaves it for a work unit, and says
+            # which one would do (volunteer/daemon.py).
+            message["memory_need_mb"] = math.ceil(need_mb * 10) / 10
         elif plan.too_slow and not assignments:
             message["note"] = (
                 f"{plan.too_slow} tile(s) would take this volunteer's uplink "

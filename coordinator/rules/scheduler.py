@@ -109,7 +109,9 @@ class Plan:
     bytes_saved: int = 0
     events: list[Event] = field(default_factory=list)
     room: int = 0  # how many more results the host could take (capacity and quota)
-    too_big: int = 0  # work units skipped because they need more memory than the host has
+    # Work units skipped because they need more memory than the host has (ids: a work
+    # unit's replicas are met one after another, and count once).
+    too_big: set[str] = field(default_factory=set)
     too_slow: int = 0  # tiles skipped because the host's uplink could not send one in time
     slowest_upload: float = 0.0  # seconds the host's uplink takes for the smallest of those
     held_back: int = 0  # unsent results of products whose share the host already holds
@@ -457,7 +459,7 @@ class Scheduler:
         if host.max_memory_mb:
             need = memory_need(wu, ledger.panel_bytes)
             if need > host.max_memory_mb << 20:
-                plan.too_big += 1
+                plan.too_big.add(wu.id)
                 plan.smallest_need = min(plan.smallest_need or need, need)
                 return None
         # Before _maybe_trust, which records its choice: a work unit it could send alone

@@ -247,9 +247,19 @@ async def test_max_memory_too_small_is_refused_with_a_clear_message(tmp_path, jo
             timeout=30,
         )
         assert volunteer.poll() is None  # still running, politely idle
-        assert volunteer_status(tmp_path / "vol")["tiles"] == 0
+        status = volunteer_status(tmp_path / "vol")
+        assert status["tiles"] == 0
+        # One work unit, however many replicas; and the limit that would do, not only "raise".
+        assert status["note"].startswith("1 work unit(s) need more memory"), status["note"]
+        advised = re.search(r"start this volunteer with --max-memory (\d+)\)", status["note"])
+        assert advised, status["note"]
     finally:
         assert stop(volunteer) == 0
+    larger = reaper(start_volunteer(url, tmp_path / "v2", "--max-memory", advised.group(1)))
+    try:
+        await wait_until(lambda: volunteer_status(tmp_path / "v2").get("tiles", 0) > 0, timeout=60)
+    finally:
+        assert stop(larger) == 0
     process.kill()
 
 
