@@ -107,7 +107,8 @@ class WorkRequests:
         self.scheduler = scheduler
         self.stats = stats
         self.paused = False  # set by the operator: no new work goes out
-        self.why_waiting: Callable[[], str | None] = lambda: None  # engine/waiting.py
+        # Why work waits, as told to this host (engine/waiting.py).
+        self.why_waiting: Callable[[Host], str | None] = lambda host: None
         # The training loop's seconds between a product done and its next one published
         # (Products.between; None: not yet known).
         self.between_products: Callable[[], float | None] = lambda: None
@@ -357,7 +358,7 @@ class WorkRequests:
                 f"{plan.slowest_upload:.0f}s or more to send, past what the project's "
                 "delay_bound leaves for uploads; other volunteers take them"
             )
-        elif not assignments and (why := self.why_waiting()):
+        elif not assignments and (why := self.why_waiting(host)):
             message["note"] = why
         elif not assignments and plan.held_back:
             message["note"] = (

@@ -303,14 +303,14 @@ class Waiting:
         """Training is done: a wait that was said ends now, not at a next look that a
         coordinator about to exit never takes."""
         if self.current is not None:
-            self._flowing(self.current, now)
+            self._flowing(self.current, now, "training is done: work no longer waits")
         self._seen = None
 
-    def _flowing(self, before: Wait, now: float) -> None:
+    def _flowing(self, before: Wait, now: float, said: str = "work flows again") -> None:
         self.current = None
         began = before.since if self._began is None else self._began
         self._began = None
-        message = f"work flows again (it waited {now - began:.0f}s: {before.reason})"
+        message = f"{said} (it waited {now - began:.0f}s: {before.reason})"
         log.info(message)
         self.ledger.log([Event(now, "wait", "flowing", message)])
 
@@ -319,11 +319,15 @@ class Waiting:
         """The current wait's reason, or None while work flows."""
         return self.current.reason if self.current is not None else None
 
-    def note(self) -> str | None:
+    def note(self, host: Host) -> str | None:
         """What a host that got no work is told: why the project's work waits, if it does.
         Never that no volunteer asks for work: the host asking is one, and the next look
-        finds the reason it meets (a new volunteer was told so on its first ask)."""
+        finds the reason it meets (a new volunteer was told so on its first ask). Nor, to a
+        volunteer that registered since the wait began, that another is needed: it is that
+        other one (it was told to start another volunteer, in 3 of 6 tries)."""
         current = self.current
         if current is None or current.reason in ("paused", "no_volunteers"):
+            return None
+        if current.reason == "needs_hosts" and host.created >= current.since:
             return None
         return current.message

@@ -12,7 +12,7 @@ import msgpack
 from coordinator.engine.config import CoordinatorConfig
 from coordinator.engine.coordinator import Coordinator
 from coordinator.engine.requests import IDLE_DELAY_CAP
-from coordinator.engine.waiting import CONNECTED_WITHIN, QUIET_AFTER, clock, explain
+from coordinator.engine.waiting import CONNECTED_WITHIN, QUIET_AFTER, Wait, clock, explain
 from coordinator.state.memory import MemoryStore
 from coordinator.work.protocol import RegisterRequest, WorkRequest
 from coordinator.work.records import Policy
@@ -167,5 +167,27 @@ async def test_a_volunteer_that_registered_but_never_asked_does_not_make_work_fl
         assert co.waiting.check(now + 5) and co.waiting.current is None
         assert any("work flows again" in r.getMessage() for r in caplog.records)
         product.cancel()
+    finally:
+        await co.stop()
+
+
+async def test_a_volunteer_that_joined_during_a_wait_for_another_is_not_told_to_start_one(
+    tmp_path,
+):
+    """It is the other volunteer the wait asked for: asking between two products (no work
+    just then), it was told "start another volunteer" in 3 of 6 tries. Those there before
+    the wait are told why their work waits."""
+    co = Coordinator(CoordinatorConfig(directory=tmp_path, tile=16), MemoryStore())
+    await co.start()
+    try:
+        now = time.time()
+        first, _ = await co.hosts.register(RegisterRequest("first", 10.0, 1, 512), now)
+        message = "work waits for another volunteer: the quorum policy ..."
+        co.waiting.current = Wait("needs_hosts", message, 4, since=now + 1)
+        second, _ = await co.hosts.register(RegisterRequest("second", 10.0, 1, 512), now + 2)
+        assert co.waiting.note(co.ledger.hosts[first.id]) == message
+        assert co.waiting.note(co.ledger.hosts[second.id]) is None
+        co.waiting.current = Wait("hosts_too_small", "work waits for a larger volunteer", 4, now)
+        assert co.waiting.note(co.ledger.hosts[second.id]) == "work waits for a larger volunteer"
     finally:
         await co.stop()
