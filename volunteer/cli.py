@@ -335,15 +335,36 @@ async def _serve(worker: Volunteer, state: StateDir, lock: int, interactive: boo
 STATUS_LOG_EVERY = 30.0  # seconds between status lines in the log (no terminal)
 
 
+class StatusLog:
+    """When a volunteer without a terminal writes its status line to the log: every
+    STATUS_LOG_EVERY seconds while it moves on. Not at the start, where it would say
+    "starting: 0 tiles, 0.0 GFLOPS delivered" beside the line that says what the kernel
+    does; and not again while idle: it repeated its line, the coordinator's note and all,
+    every 30 s (2,900 lines a day in a journal; the note itself is logged once as it comes,
+    daemon.py)."""
+
+    def __init__(self, now: float) -> None:
+        self.last = now
+        self.said: tuple = ()
+
+    def due(self, status: dict[str, Any], now: float) -> str | None:
+        if now - self.last <= STATUS_LOG_EVERY:
+            return None
+        self.last = now
+        said = (status["state"], status["tiles"], status.get("note"))
+        if said == self.said:
+            return None
+        self.said = said
+        return status_line(status)
+
+
 async def _report_status(
     worker: Volunteer, state: StateDir, lock: int, stop: asyncio.Event, live: bool
 ) -> None:
     """Write status.json every second; in a terminal, also redraw one status line. Stop
     the volunteer if its state directory is deleted or replaced under it: `status` and
     `stop` could no longer find it, and it would run on unseen."""
-    # The log's first status line comes STATUS_LOG_EVERY in: at the start it would say "starting:
-    # 0 tiles, 0.0 GFLOPS delivered" beside the line that says what the kernel does.
-    last_line = time.monotonic()
+    lines = StatusLog(time.monotonic())
     unwritten = ""  # the last error writing status.json, said once
     while not stop.is_set():
         if not state.holds(lock):
@@ -364,9 +385,8 @@ async def _report_status(
         if live:
             width = shutil.get_terminal_size((LIVE_WIDTH, 24)).columns
             click.echo("\r" + live_line(status, width), nl=False)
-        elif time.monotonic() - last_line > STATUS_LOG_EVERY:
-            log.info(status_line(status))
-            last_line = time.monotonic()
+        elif (line := lines.due(status, time.monotonic())) is not None:
+            log.info(line)
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(stop.wait(), timeout=1.0)
 

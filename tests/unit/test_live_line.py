@@ -3,7 +3,7 @@ no control character from the coordinator's words."""
 
 from __future__ import annotations
 
-from volunteer.cli import columns, live_line, status_line
+from volunteer.cli import StatusLog, columns, live_line, status_line
 
 STATUS = {
     "state": "idle",
@@ -34,3 +34,17 @@ def test_the_coordinators_words_reach_the_terminal_escaped_and_measured_in_colum
         assert not any(c in line for c in "\x1b\x07\n\r"), line
         assert "\\x1b]0;owned\\x07" in line
     assert columns(live_line(said, 80)) == 79  # wide characters take two columns each
+
+
+def test_without_a_terminal_the_status_line_is_logged_as_the_volunteer_moves_on_only():
+    """An idle volunteer repeated its line, the coordinator's note and all, every 30 s: 2,900
+    lines a day in a journal. Nor is there one at the start ("starting: 0 tiles")."""
+    idle = {**STATUS, "state": "idle", "tiles": 5, "note": "work waits for another volunteer"}
+    lines = StatusLog(now=0.0)
+    assert lines.due({**STATUS, "state": "starting", "tiles": 0}, 1.0) is None
+    said = [lines.due(idle, t) for t in (31.0, 62.0, 93.0, 600.0)]
+    assert said[0] is not None and said[0].startswith("idle: 5 tiles") and said[1:] == [None] * 3
+    working = {**idle, "state": "working", "tiles": 6, "note": ""}
+    assert lines.due(working, 620.0) is None  # within 30 s of the last look
+    assert lines.due(working, 640.0).startswith("working: 6 tiles")
+    assert lines.due({**working, "tiles": 9}, 671.0).startswith("working: 9 tiles")
