@@ -214,8 +214,8 @@ class Coordinator:
         lost = list(lost_products(self.ledger, self.blobs))
         for gemm in lost:
             # Failed as in an earlier run: the training loop runs it again when it gets there.
-            message = f"{gemm.label or gemm.id[:12]} of step {gemm.step} lost its blobs; run again"
-            log.debug(message)
+            message = "its panels or tiles, held in memory, were lost at a stop"
+            log.debug("%s of step %d: %s", gemm.label or gemm.id[:12], gemm.step, message)
             self.products.drop(gemm, message, time.time())
         if lost:
             log.info(

@@ -72,6 +72,28 @@ class GemmFailed(RuntimeError):
     """A work unit of this GEMM failed for good; the message says which and why."""
 
 
+def attempts_said(earlier: list[Gemm], now: Gemm | None) -> str:
+    """One log line for a product whose earlier attempts ended before this run (a restart
+    walks them all: it said a line for each, for each micro-batch): why the last ended, and
+    whether the next is run anew or resumed."""
+    last = earlier[-1]
+    attempt = len(earlier) + 1
+    if last.state is GemmState.PRUNED:
+        # Its step's checkpoint was written, and is gone now (moved aside as damaged):
+        # training went back to the one before, and runs the step again, bit for bit.
+        why = "was let go after a checkpoint that is gone"
+    else:
+        runs = "an earlier run" if len(earlier) == 1 else f"{len(earlier)} earlier runs"
+        why = f"did not finish in {runs} ({last.error or 'no reason recorded'})"
+    if now is None:
+        then = f"running it again (attempt {attempt})"
+    elif now.state is GemmState.ACTIVE:
+        then = f"resuming attempt {attempt}, in flight at the stop"
+    else:
+        then = f"attempt {attempt} is {now.state.value} already"
+    return f"step {last.step}: {last.label or f'GEMM {last.id[:12]}'} {why}; {then}"
+
+
 @dataclass(slots=True)
 class GemmOutput:
     """An awaited product being filled tile by tile."""
@@ -274,9 +296,9 @@ class Products:
         coordinator is run again as a new GEMM, as is one let go (pruned) after a checkpoint
         that has gone since; one that failed in this run stays failed, so its caller hears
         why instead of the work starting over behind its back."""
-        attempt = 0
+        earlier: list[Gemm] = []  # this product's attempts that ended before this run
         while True:
-            gid = describe(attempt=attempt)
+            gid = describe(attempt=len(earlier))
             if gid in self.outputs:
                 return gid, None
             gemm = self.ledger.gemms.get(gid)
@@ -288,26 +310,10 @@ class Products:
                 gemm = await self.store.gemm(gid)
             again = (GemmState.FAILED, GemmState.PRUNED)
             if gemm is None or gemm.state not in again or gid in self.failed_here:
+                if earlier:
+                    log.info("%s", attempts_said(earlier, gemm))
                 return gid, gemm
-            attempt += 1
-            if gemm.state is GemmState.PRUNED:
-                # Its step's checkpoint was written, and is gone now (moved aside as damaged):
-                # training went back to the one before, and runs the step again, bit for bit.
-                log.info(
-                    "step %d: %s was let go after a checkpoint that is gone; running it again "
-                    "(attempt %d)",
-                    gemm.step,
-                    gemm.label or f"GEMM {gid[:12]}",
-                    attempt + 1,
-                )
-                continue
-            log.info(
-                "step %d: %s failed in an earlier run (%s); running it again (attempt %d)",
-                gemm.step,
-                gemm.label or f"GEMM {gid[:12]}",
-                gemm.error or "no reason recorded",
-                attempt + 1,
-            )
+            earlier.append(gemm)
 
     def _fill(self, out: np.ndarray, wus: list[WorkUnit]) -> None:
         for wu in wus:

@@ -493,6 +493,42 @@ async def test_an_active_product_whose_blobs_a_power_cut_took_is_run_again(tmp_p
     np.testing.assert_array_equal(bits(result), bits(kernels.gemm(a, b)))
 
 
+async def test_a_product_lost_at_several_stops_is_said_once_with_what_happens_to_it(
+    tmp_path, rng, caplog
+):
+    """Killed three times, a restart said a line for each earlier attempt ("failed in an
+    earlier run ... attempt 2", "... attempt 3", ...), and said "running it again" of one it
+    resumed."""
+    caplog.set_level(logging.INFO, logger="coordinator.engine.products")
+    config = CoordinatorConfig(
+        directory=tmp_path, tile=16, policy=Policy.FREIVALDS, seed=1, long_poll=0.05
+    )
+    store = MemoryStore()
+    a, b = operands(rng, 32, 32, 8, False, False)
+    for _ in range(2):  # published, then its blobs lost at a stop, twice
+        await published_then_stopped(config, store, a, b)
+        lose_every_blob(config)
+    await published_then_stopped(config, store, a, b)  # the third attempt, in flight
+    caplog.clear()
+    again = Coordinator(config, store)
+    await again.start()
+    try:
+        stop = asyncio.Event()
+        host = asyncio.create_task(honest_host(again, "h", stop))
+        result = await asyncio.wait_for(again.products.matmul(a, b), 30)
+        stop.set()
+        await host
+    finally:
+        await again.stop()
+    np.testing.assert_array_equal(bits(result), bits(kernels.gemm(a, b)))
+    said = [r.getMessage() for r in caplog.records if "earlier run" in r.getMessage()]
+    assert len(said) == 1, said
+    assert said[0].endswith(
+        "did not finish in 2 earlier runs (its panels or tiles, held in memory, were lost at "
+        "a stop); resuming attempt 3, in flight at the stop"
+    ), said
+
+
 @contextlib.asynccontextmanager
 async def crowd(tmp_path, size: int):
     """A coordinator allowing idle hosts 10 asks a second, and `size` registered hosts;
