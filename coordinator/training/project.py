@@ -237,6 +237,16 @@ def load(directory: Path | str) -> Project:
     try:
         text = path.read_text()
     except FileNotFoundError as exc:
+        traces = leftover_state(directory)
+        if traces:
+            # `init` refuses such a folder (a new project would resume from its state):
+            # pointing there sent the operator round in a circle.
+            raise ProjectError(
+                f"{path} not found, but {directory} holds a project's state "
+                f"({', '.join(traces)}): put its project.toml back (from a backup, or write "
+                "one with the settings it was trained with: `tilehive init` in another "
+                "folder writes the defaults to copy and edit)"
+            ) from exc
         raise ProjectError(
             f"{path} not found: create a project with `tilehive init {directory}`"
         ) from exc
@@ -346,8 +356,10 @@ def create(directory: Path | str, **overrides: Any) -> Project:
     traces = leftover_state(directory)
     if traces:
         raise ProjectError(
-            f"{directory} holds another project's state ({', '.join(traces)}): a new project "
-            "there would resume from it; choose an empty folder, or move those away"
+            f"{directory} holds a project's state without its project.toml "
+            f"({', '.join(traces)}): a new project there would resume from it; to go on "
+            "with that project put its project.toml back, else choose an empty folder or "
+            "move those away"
         )
     project = Project(directory=directory)
     for dotted, value in overrides.items():

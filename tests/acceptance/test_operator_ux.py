@@ -117,8 +117,14 @@ def test_init_refuses_a_folder_that_holds_another_projects_state(tmp_path):
     (project / "project.toml").unlink()
     again = tilehive("init", str(project), "--steps", "6", "--seed", "7")
     assert again.returncode == 1
-    assert "holds another project's state (train.jsonl, checkpoints/)" in again.stderr
+    said = "holds a project's state without its project.toml (train.jsonl, checkpoints/)"
+    assert said in again.stderr and "put its project.toml back" in again.stderr
     assert not (project / "project.toml").exists()
+    # Nor do `coordinator` and `train` send the operator to `init`, which refuses it.
+    for command in (["coordinator"], ["train", "--local"]):
+        lost = tilehive(*command[:1], str(project), *command[1:])
+        assert lost.returncode == 1 and "put its project.toml back" in lost.stderr, lost.stderr
+        assert "create a project with" not in lost.stderr
 
 
 def test_a_project_in_a_folder_named_with_uri_characters_reads_back(tmp_path, reaper):
