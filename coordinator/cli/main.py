@@ -20,6 +20,7 @@ from coordinator.state.integrity import DamagedState
 from coordinator.state.lock import ProjectBusy, ProjectLock
 from coordinator.training import checkpoints, history
 from coordinator.training.corpus import CorpusError
+from coordinator.training.model import param_shapes
 from coordinator.training.project import (
     MAX_SEED,
     MAX_STEPS,
@@ -295,7 +296,7 @@ def train(directory: Path, local: bool, steps: int | None, threads: int) -> None
     # It writes the project's checkpoints: never beside a coordinator, or another local run.
     with ProjectLock(project.directory) as lock:
         lock.acquire("train --local")
-        done = checkpoints.latest(project.checkpoints) or 0
+        done = checkpoints.latest_readable(project.checkpoints, param_shapes(project.model))
         click.echo(local_plan(done, steps, project.training.steps))
         # Ctrl-C stops it even when it was started with SIGINT ignored (a background job of
         # a script): Python then installs no handler, and asyncio.run none either.

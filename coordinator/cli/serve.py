@@ -28,6 +28,7 @@ from coordinator.state import integrity
 from coordinator.state.lock import ProjectLock
 from coordinator.state.sqlite import SqliteStore
 from coordinator.training import checkpoints, history
+from coordinator.training.model import param_shapes
 from coordinator.training.project import PROJECT_FILE, Project
 from coordinator.training.trainer import StepReport, Trainer
 from kernels.malloc import keep_freed_memory
@@ -210,7 +211,8 @@ async def _train(
     """Train to the project's last step; `url`: where volunteers and browsers reach it."""
     steps = project.training.steps
     loop = asyncio.get_running_loop()
-    if finished(project):
+    shapes = param_shapes(project.model)
+    if await asyncio.to_thread(checkpoints.latest_readable, project.checkpoints, shapes) >= steps:
         announce(
             f"nothing to do: all {steps} steps are done already (raise training.steps in "
             f"{project.directory / PROJECT_FILE} to train more)"

@@ -51,6 +51,17 @@ def latest(directory: Path) -> int | None:
     return max(steps, default=None)
 
 
+def latest_readable(directory: Path, shapes: Mapping[str, tuple[int, ...]]) -> int:
+    """The latest checkpoint's step (0: none), once it reads as the model's: a damaged
+    one, or one of another model, raises CheckpointError before anything is said of
+    resuming from it or of the project being done (`nothing to do`, then the error)."""
+    step = latest(directory)
+    if step is None:
+        return 0
+    load(directory, step, shapes)
+    return step
+
+
 def load(
     directory: Path, step: int, shapes: Mapping[str, tuple[int, ...]]
 ) -> tuple[Params, AdamState]:

@@ -127,6 +127,30 @@ def test_init_refuses_a_folder_that_holds_another_projects_state(tmp_path):
         assert "create a project with" not in lost.stderr
 
 
+def test_a_checkpoint_that_cannot_be_resumed_is_said_before_anything_else(tmp_path):
+    """A finished project whose model settings changed said "nothing to do: all 2 steps
+    are done already" and then the error; a cut-off checkpoint, "resuming after step 2"
+    and then that it is damaged."""
+    project = tmp_path / "p"
+    assert tilehive("init", str(project), "--steps", "2").returncode == 0
+    assert tilehive("train", str(project), "--local").returncode == 0
+    settings = project / "project.toml"
+    settings.write_text(settings.read_text().replace("width = 128 ", "width = 64 "))
+    for command in (
+        ["coordinator", str(project), "--bind", "127.0.0.1:0"],
+        ["train", str(project), "--local"],
+    ):
+        said = tilehive(*command)
+        assert said.returncode == 1 and "the model's settings changed" in said.stderr, said
+        assert "nothing to do" not in said.stdout + said.stderr, said.stdout
+    settings.write_text(settings.read_text().replace("width = 64 ", "width = 128 "))
+    with (project / "checkpoints" / "step-000002.npz").open("r+b") as cut:
+        cut.truncate(1000)
+    said = tilehive("train", str(project), "--local")
+    assert said.returncode == 1 and "is damaged" in said.stderr, said
+    assert "resuming after" not in said.stdout, said.stdout
+
+
 def test_a_project_in_a_folder_named_with_uri_characters_reads_back(tmp_path, reaper):
     """The files are opened through SQLite URIs, where '#', '?' and '%' mean something:
     status and logs read the project the path names, not another."""
