@@ -551,7 +551,10 @@ HOST = 20
 
 log_filters = [
     option(
-        "--step", type=click.IntRange(min=0, max=MAX_STEPS), default=None, help="Only this step."
+        "--step",
+        type=click.IntRange(min=1, max=MAX_STEPS),
+        default=None,
+        help="Only this step (training starts at 1).",
     ),
     option("--host", default=None, help="Only this host (id or name)."),
     option(

@@ -419,25 +419,31 @@ async def test_logs_show_the_newest_and_say_when_they_cut(worked):
     none = tilehive("logs", "tasks", str(project), "--step", "99")
     assert none.returncode == 0 and len(none.stdout.splitlines()) == 1
     assert "-- no work units match --" in none.stderr
-    # A step purged by a checkpoint (here step 0, before the oldest held): its decisions
-    # outlive its work units for a minute, and an empty answer read as lost history.
+    # A step purged by a checkpoint (step 1, by checkpoints at 1 and 2: rows go one
+    # checkpoint behind): its decisions outlive its work units for a minute, and an empty
+    # answer read as lost history.
+    coordinator = worked[0]
+    for step in (1, 2):
+        await coordinator.retention.prune(step)
     archive = project / "logs" / "workunits.jsonl.gz"
-    archive.parent.mkdir(exist_ok=True)
-    archive.write_bytes(gzip.compress(b""))
-    purged = tilehive("logs", "tasks", str(project), "--step", "0")
+    purged = tilehive("logs", "tasks", str(project), "--step", "1")
     said = f"-- no work units match; a checkpoint archived the step in {archive} --"
     assert said in purged.stderr
+    # There is no step 0 (training starts at 1): refused, not said to be archived.
+    zero = tilehive("logs", "tasks", str(project), "--step", "0")
+    assert zero.returncode == 2 and "--step" in zero.stderr and "archived" not in zero.stderr
     later = tilehive("logs", "tasks", str(project), "--step", "99")  # not run yet: not archived
     assert "-- no work units match --" in later.stderr
     none = tilehive("logs", "validation", str(project), "--step", "99")
     assert none.returncode == 0 and len(none.stdout.splitlines()) == 1
     assert "-- no decisions match --" in none.stderr
     # Other filters matching nothing name the archive of the steps purged, where the
-    # failures status counts may all be (here every decision is held: step 1 is the oldest).
+    # failures status counts may all be (step 2 is the oldest held now).
     decisions = project / "logs" / "events.jsonl.gz"
-    decisions.write_bytes(gzip.compress(b""))
+    if not decisions.exists():
+        decisions.write_bytes(gzip.compress(b""))
     nobody = tilehive("logs", "validation", str(project), "--host", "1", "--since", "1s")
-    said = f"-- no decisions match; checkpoints archived the steps before 1 in {decisions} --"
+    said = f"-- no decisions match; checkpoints archived the steps before 2 in {decisions} --"
     assert said in nobody.stderr, nobody.stderr
     alone = tilehive("logs", "tasks", str(project), "--by-step")
     assert alone.returncode == 2 and "--by-step" in alone.stderr
