@@ -120,6 +120,9 @@ class ProjectView:
         if host is None:
             return None
         if host.isascii() and host.isdigit() and len(host) <= 18:  # an id SQLite can hold
+            # Unknown, it is said as an unknown name is (it matched nothing, quietly).
+            if int(host) not in {r["id"] for r in self.reader.hosts()}:
+                raise NoSuchHost(f"no host {int(host)} has registered")
             return int(host)
         ids = self.reader.host_ids_named(host)
         if not ids:

@@ -230,6 +230,10 @@ def test_numbers_beyond_what_a_field_holds_are_one_line_not_an_overflow(project,
     # a host id beyond any is no host, by name or id
     said = tilehive("logs", "tasks", str(project), "--host", huge)
     assert "Traceback" not in said.stderr and f"no host named '{huge}'" in said.stderr
+    # an id no host has is said as an unknown name is: it matched nothing, quietly
+    for command in ("tasks", "validation"):
+        said = tilehive("logs", command, str(project), "--host", "77")
+        assert said.returncode == 1 and "no host 77 has registered" in said.stderr, said.stderr
 
 
 def test_a_project_folder_that_takes_no_files_is_one_line(project):
