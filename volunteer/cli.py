@@ -302,11 +302,10 @@ def _run(config: VolunteerConfig, state: StateDir, report: int | None) -> None:
             os.close(report)
         try:
             interactive = report is None and sys.stdout.isatty()
-            asyncio.run(_serve(worker, state, lock, interactive))
+            asyncio.run(_serve(worker, state, lock, interactive, daemon=report is not None))
         except NotACoordinator as exc:  # said once: on stderr, or in the daemon's log
             if report is None:
                 raise click.ClickException(str(exc)) from None
-            log.error("%s", exc)
             raise SystemExit(1) from None
         if worker.state == "refused":  # said once already, in the log (Session._quarantined)
             raise SystemExit(REFUSED_EXIT)
@@ -314,7 +313,11 @@ def _run(config: VolunteerConfig, state: StateDir, report: int | None) -> None:
         state.release(lock)
 
 
-async def _serve(worker: Volunteer, state: StateDir, lock: int, interactive: bool) -> None:
+async def _serve(
+    worker: Volunteer, state: StateDir, lock: int, interactive: bool, daemon: bool = False
+) -> None:
+    """Run the volunteer until a signal or its end. A daemon's log says why it ends before
+    that it stopped (the foreground's error line is printed last, by click)."""
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):  # SIGHUP: a closed terminal
@@ -322,6 +325,10 @@ async def _serve(worker: Volunteer, state: StateDir, lock: int, interactive: boo
     reporter = asyncio.create_task(_report_status(worker, state, lock, stop, interactive))
     try:
         await worker.run(stop)
+    except NotACoordinator as exc:
+        if daemon:
+            log.error("%s", exc)
+        raise
     finally:
         stop.set()
         await reporter

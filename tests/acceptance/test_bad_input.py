@@ -302,6 +302,8 @@ def test_a_daemon_at_another_web_server_ends_and_says_why(tmp_path, html):
     assert NOT_TILEHIVE in volunteer_status(state)["note"]
     log = (state / "volunteer.log").read_text()
     assert log.count(NOT_TILEHIVE) == 1 and "Traceback" not in log
+    # Why before what: the log said it stopped, then why.
+    assert log.index(NOT_TILEHIVE) < log.index("volunteer stopped after"), log
 
 
 def test_a_coordinator_out_of_reach_is_said_with_its_address_and_the_reason(tmp_path, reaper):
