@@ -150,18 +150,30 @@ def _fail_on_project_error(fn):
     return wrapper
 
 
+def _given(param: str, flag: str) -> str:
+    """An option as an error names it: with the variable it came from, when it came from
+    one (a value the operator never typed, set in a shell profile or a unit file)."""
+    context = click.get_current_context(silent=True)
+    if context is not None and (
+        context.get_parameter_source(param) is click.core.ParameterSource.ENVIRONMENT
+    ):
+        return f"{flag} (from TILEHIVE_{param.upper()})"
+    return flag
+
+
 def _bind(value: str) -> tuple[str, int]:
     """HOST:PORT, or one line saying what is wrong with it."""
+    flag = _given("bind", "--bind")
     if "://" in value:
         raise click.ClickException(
-            f"--bind {value!r} is a URL: give HOST:PORT to listen on (e.g. 0.0.0.0:8470)"
+            f"{flag} {value!r} is a URL: give HOST:PORT to listen on (e.g. 0.0.0.0:8470)"
         )
     host, _, port = value.rpartition(":")
     if not host or not port.isdigit():
-        raise click.ClickException(f"--bind {value!r} is not HOST:PORT (e.g. 0.0.0.0:8470)")
+        raise click.ClickException(f"{flag} {value!r} is not HOST:PORT (e.g. 0.0.0.0:8470)")
     if int(port) > 65535:
         raise click.ClickException(
-            f"--bind {value!r}: port {int(port)} is out of range: give one from 0 to 65535 "
+            f"{flag} {value!r}: port {int(port)} is out of range: give one from 0 to 65535 "
             "(0: any free port)"
         )
     return host.strip("[]"), int(port)

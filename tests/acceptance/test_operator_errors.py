@@ -122,6 +122,13 @@ def test_a_bind_failure_is_one_line_and_touches_nothing(project, busy_port, bind
     assert sorted(path.name for path in project.iterdir()) == before  # no state, no secret
 
 
+def test_a_bind_from_the_environment_is_said_to_come_from_it(project):
+    """Set in a shell profile or a unit file, the value was named as if typed."""
+    result = tilehive("coordinator", str(project), env={"TILEHIVE_BIND": "127.0.0.1"})
+    line = one_line_error(result)
+    assert line.startswith("Error: --bind (from TILEHIVE_BIND) '127.0.0.1' is not HOST:PORT")
+
+
 def test_an_ipv6_bind_announces_a_url_that_works(project, tmp_path, reaper):
     """The announced URL is what volunteers are given: an IPv6 address needs brackets."""
     try:
