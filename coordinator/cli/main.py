@@ -350,7 +350,9 @@ def sample(directory: Path, prompt: str, length: int, temperature: float, seed: 
     """Generate text from the project's latest checkpoint."""
     from coordinator.training.sampling import generate
 
-    click.echo(generate(load_project(directory), prompt, length, temperature, seed))
+    for text in generate(load_project(directory), prompt, length, temperature, seed):
+        click.echo(text, nl=False)  # as it comes
+    click.echo()
 
 
 @main.command()

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import asyncio
+import codecs
 import re
+from collections.abc import Iterator
 
 import numpy as np
 
@@ -22,7 +24,12 @@ def printable(text: str) -> str:
     return _CONTROL.sub(lambda m: f"\\x{ord(m.group()):02x}", text)
 
 
-def generate(project: Project, prompt: str, length: int, temperature: float, seed: int) -> str:
+def generate(
+    project: Project, prompt: str, length: int, temperature: float, seed: int
+) -> Iterator[str]:
+    """The prompt, then `length` sampled bytes, as text as it comes: a byte is a forward
+    pass (milliseconds), and `--length 100000` printed nothing for half an hour. Nothing
+    comes before the checkpoint has loaded, so a damaged one is an error, not half a line."""
     step = checkpoints.latest(project.checkpoints)
     if step is None:
         raise ProjectError(f"no checkpoint in {project.checkpoints} yet: train first")
@@ -31,6 +38,9 @@ def generate(project: Project, prompt: str, length: int, temperature: float, see
     context = project.model.context
     tokens = list(prompt.encode()) or [10]
     rng = np.random.default_rng(seed)
+    # Bytes in, text out: a character of several bytes comes out once all have come.
+    text = codecs.getincrementaldecoder("utf-8")(errors="replace")
+    yield printable(text.decode(bytes(tokens)))
     for _ in range(length):
         window = tokens[-context:]
         padded = np.zeros((1, context), np.int64)
@@ -45,4 +55,5 @@ def generate(project: Project, prompt: str, length: int, temperature: float, see
             with np.errstate(over="ignore"):  # to -inf, on purpose
                 p = softmax_rows((row - row.max()) / temperature)
             tokens.append(int(rng.choice(len(p), p=p)))
-    return printable(bytes(tokens).decode("utf-8", errors="replace"))
+        yield printable(text.decode(bytes(tokens[-1:])))
+    yield printable(text.decode(b"", final=True))
