@@ -197,7 +197,8 @@ def run_demo(
         if finished(settings):
             click.echo(
                 f"nothing to do: all {settings.training.steps} steps of {directory} are done "
-                "(raise training.steps in its project.toml to train more)"
+                "(raise training.steps in its project.toml to train more: the learning rate's "
+                "decay then spans the new count from the next step on)"
             )
             return
     else:  # the defaults a new project gets, checked before anything is written

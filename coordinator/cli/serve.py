@@ -215,7 +215,8 @@ async def _train(
     if await asyncio.to_thread(checkpoints.latest_readable, project.checkpoints, shapes) >= steps:
         announce(
             f"nothing to do: all {steps} steps are done already (raise training.steps in "
-            f"{project.directory / PROJECT_FILE} to train more)"
+            f"{project.directory / PROJECT_FILE} to train more: the learning rate's decay then "
+            "spans the new count from the next step on)"
         )
 
     def on_step(report: StepReport) -> None:

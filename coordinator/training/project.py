@@ -279,7 +279,7 @@ max_mb = {corpus.max_mb}                # read at most this much text
 validation_share = {corpus.validation_share}    # held out to validate: whole files, or files' ends
 
 [training]
-steps = {training.steps}
+steps = {training.steps}                 # optimizer steps; warmup and decay of the rate span them
 batch_size = {training.batch_size}           # sequences per step
 seed = {training.seed}                  # initial weights and batch order
 checkpoint_every = {training.checkpoint_every}     # steps between checkpoints (and the last step)
