@@ -79,9 +79,9 @@ class RefusalLog:
 
     def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
         self.clock = clock
-        # (address, status) -> (when its last line was written, refusals left out since),
-        # the least recently refused first.
-        self._last: collections.OrderedDict[tuple[str, int], tuple[float, int]] = (
+        # (address, status) -> (when its last line was written, refusals left out since,
+        # when it was last refused), the least recently refused first.
+        self._last: collections.OrderedDict[tuple[str, int], tuple[float, int, float]] = (
             collections.OrderedDict()
         )
 
@@ -101,41 +101,43 @@ class RefusalLog:
             f" ({left_out} more from it since its last line, not logged)" if left_out else "",
         )
 
-    def sweep(self) -> None:
-        """Say the counts left out of clients whose last line is REFUSALS_EVERY old: one
-        that stops (or slows down) would otherwise never have its count said."""
+    def sweep(self, final: bool = False) -> None:
+        """Say the counts left out of clients refused none since REFUSALS_EVERY ago (all
+        of them, `final`ly): one that stops would otherwise never have its count said. One
+        still refused has it said by its next line, method, path and reason with it."""
         now = self.clock()
-        due = [
-            (key, untold)
-            for key, (said, untold) in self._last.items()
-            if untold and now - said >= REFUSALS_EVERY
-        ]
-        for (address, status), untold in due:
-            log.warning(
-                "%d more refusal(s) %d from %s since its last line, not logged",
-                untold,
-                status,
-                loggable(address),
-            )
-            self._last[(address, status)] = (now, 0)  # a line said now, in its place
+        for key, (said, untold, refused) in list(self._last.items()):
+            if not final and now - refused < REFUSALS_EVERY:
+                break  # those after it were refused later still
+            if untold:
+                self._say_untold(key, untold)
+                self._last[key] = (said, 0, refused)
 
     def _left_out(self, address: str, status: int) -> int | None:
         """None while a line for these was written less than REFUSALS_EVERY ago (this
         refusal is counted instead); else the refusals left out since, and a line is due."""
         now = self.clock()
         key = (address, status)
-        said, left_out = self._last.pop(key, (-math.inf, 0))
+        said, left_out, _ = self._last.pop(key, (-math.inf, 0, now))
         if now - said < REFUSALS_EVERY:
-            self._last[key] = (said, left_out + 1)
+            self._last[key] = (said, left_out + 1, now)
             return None
-        self._last[key] = (now, 0)
+        self._last[key] = (now, 0, now)
         if len(self._last) > REFUSALS_KEPT:  # the least recent goes, its count said
-            (gone, status_gone), (_, untold) = self._last.popitem(last=False)
+            gone, (_, untold, _) = self._last.popitem(last=False)
             if untold:
-                log.warning(
-                    "%d refusal(s) %d from %s were not logged", untold, status_gone, loggable(gone)
-                )
+                self._say_untold(gone, untold)
         return left_out
+
+    @staticmethod
+    def _say_untold(key: tuple[str, int], untold: int) -> None:
+        address, status = key
+        log.warning(
+            "%d more refusal(s) %d from %s since its last line, not logged",
+            untold,
+            status,
+            loggable(address),
+        )
 
 
 REFUSALS = web.AppKey("refusals", RefusalLog)
@@ -588,6 +590,9 @@ def create_app(
         sweeping = asyncio.create_task(_sweep_refusals(app[REFUSALS]), name="tilehive-refusals")
         yield
         sweeping.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await sweeping
+        app[REFUSALS].sweep(final=True)  # the counts still untold, before the log ends
         await coordinator.stop()
 
     app.cleanup_ctx.append(lifetime)

@@ -119,18 +119,39 @@ def test_refusals_told_to_come_back_later_are_a_line_every_ten_seconds_and_the_c
 
 
 def test_the_count_of_refusals_left_out_is_said_when_the_client_stops(caplog):
-    """A client refused in a loop that then stops (or slows down) had the count of its
-    refusals left out never said: the next line, which says it, never came."""
+    """A client refused in a loop that then stops had the count of its refusals left out
+    never said: the next line, which says it, never came. One still refused keeps its full
+    lines (method, path, reason), a sweep taking none of their place."""
+    now = [0.0]
+    refusals = RefusalLog(clock=lambda: now[0])
+    while now[0] < 2.5 * REFUSALS_EVERY:  # refused every 0.5 s for 25 s, swept every 10 s
+        refusals.say("POST", "/v1/work", "10.0.0.3", 429, "over the rate", later=True)
+        if now[0] % REFUSALS_EVERY == 0:
+            refusals.sweep()
+        now[0] += 0.5
+    last = now[0] - 0.5
+    now[0] = last + REFUSALS_EVERY - 0.5
+    refusals.sweep()  # not yet: refused less than 10 s ago
+    now[0] = last + REFUSALS_EVERY
+    refusals.sweep()
+    refusals.sweep()  # said once
+    said = [r.getMessage() for r in caplog.records]
+    assert said == [
+        "POST /v1/work from 10.0.0.3: 429 over the rate",
+        "POST /v1/work from 10.0.0.3: 429 over the rate (19 more from it since its last "
+        "line, not logged)",
+        "POST /v1/work from 10.0.0.3: 429 over the rate (19 more from it since its last "
+        "line, not logged)",
+        "9 more refusal(s) 429 from 10.0.0.3 since its last line, not logged",
+    ], said
+
+
+def test_the_counts_untold_at_a_stop_are_said(caplog):
     now = [0.0]
     refusals = RefusalLog(clock=lambda: now[0])
     for _ in range(3):
-        refusals.say("POST", "/v1/work", "10.0.0.3", 429, "over the rate", later=True)
-    refusals.sweep()  # not yet: its line was just written
-    now[0] = REFUSALS_EVERY
-    refusals.sweep()
-    now[0] = 3 * REFUSALS_EVERY
-    refusals.sweep()  # said once
-    assert [r.getMessage() for r in caplog.records] == [
-        "POST /v1/work from 10.0.0.3: 429 over the rate",
-        "2 more refusal(s) 429 from 10.0.0.3 since its last line, not logged",
-    ]
+        refusals.say("POST", "/v1/work", "10.0.0.4", 503, "busy", later=True)
+    refusals.sweep(final=True)
+    assert caplog.records[-1].getMessage() == (
+        "2 more refusal(s) 503 from 10.0.0.4 since its last line, not logged"
+    )
