@@ -5,12 +5,18 @@ from __future__ import annotations
 
 import asyncio
 import ipaddress
+import json
 import ssl
 from urllib.parse import urlsplit
 
 import aiohttp
+import msgpack
+
+from volunteer.logsetup import one_line
 
 EXAMPLE = "give http://HOST:PORT or https://HOST:PORT (e.g. http://127.0.0.1:8470)"
+GATEWAY = (502, 503, 504)  # a proxy's word on a coordinator behind it that is down
+REFUSAL_TYPE = "application/msgpack"  # how a coordinator words a refusal: {error, message}
 
 
 class NotACoordinator(Exception):
@@ -102,6 +108,47 @@ def is_status(summary: object) -> bool:
     return all(
         summary.get(key) is None or isinstance(summary[key], shape) for key, shape in shapes.items()
     )
+
+
+def strange(url: str, request: str, code: int, content_type: str, body: bytes) -> str:
+    """The error line for a reply in no coordinator's words."""
+    if code in GATEWAY:
+        said = answer(code, content_type, body)
+        return f"cannot reach a coordinator at {url}: {request} answered {said}"
+    return not_tilehive(url, request, code, content_type, body)
+
+
+def refusal(content_type: str, body: bytes) -> str | None:
+    """A coordinator's {error, message} refusal, its message escaped; None for anything
+    else."""
+    if content_type != REFUSAL_TYPE:
+        return None
+    try:
+        message = msgpack.unpackb(body)
+    except Exception:
+        return None
+    if not isinstance(message, dict) or not isinstance(message.get("message"), str):
+        return None
+    return one_line(message["message"])
+
+
+def status_problem(url: str, code: int, content_type: str, body: bytes) -> tuple[str, dict]:
+    """(what is wrong, as one line, or ""; the summary) of a reply to GET URL/v1/status:
+    a coordinator's refusal in its words, or what else answered there."""
+    try:
+        summary = json.loads(body)
+    except ValueError:
+        summary = None
+    if code == 200 and is_status(summary):
+        return "", summary
+    said = refusal(content_type, body)
+    if code != 200 and said is not None:
+        # A coordinator's own refusal: a path with nothing behind it (a proxy's prefix that
+        # is not the coordinator's), say; its words, not its msgpack bytes.
+        hint = ": give the URL it prints ('volunteers connect to ...')" if code == 404 else ""
+        return f"{url}: the coordinator answered {code} {said}{hint}", {}
+    problem = strange(url, "GET /v1/status", code, content_type, body)
+    return problem + ("" if code != 200 or summary is None else ", not a tilehive status"), {}
 
 
 def not_tilehive(

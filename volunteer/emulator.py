@@ -14,7 +14,6 @@ import asyncio
 import contextlib
 import contextvars
 import functools
-import json
 import logging
 import math
 import random
@@ -31,10 +30,10 @@ import aiohttp
 import numpy as np
 
 import kernels
-from volunteer.address import answer, is_status, not_tilehive
+from volunteer.address import status_problem
 from volunteer.backoff import Backoff
 from volunteer.cache import BlobCache
-from volunteer.client import CONTENT_TYPE, CoordinatorClient, ServerRefused, compute_tile
+from volunteer.client import CoordinatorClient, ServerRefused, compute_tile
 from volunteer.loop import PullLoop, Stats
 from volunteer.policy import MB, budget_for
 from volunteer.profile import HostTraits, Profile
@@ -61,7 +60,6 @@ _queued: contextvars.ContextVar[list[float]] = contextvars.ContextVar("queued")
 UNPACED_MBPS = 1e5  # megabits a second: an uplink this fast or faster is not modelled
 
 
-GATEWAY = (502, 503, 504)  # a proxy's word on a coordinator behind it that is down
 STATUS_BODY = 1 << 20  # bytes of a status reply read: a coordinator's is a few KB
 
 
@@ -657,20 +655,10 @@ async def _coordinator_status(session: aiohttp.ClientSession, url: str) -> dict[
     """GET URL/v1/status, or CoordinatorUnreachable saying what answered instead."""
     async with session.get(url.rstrip("/") + "/v1/status") as resp:
         body = await _at_most(resp.content, STATUS_BODY)
-        try:
-            summary = json.loads(body)
-        except ValueError:
-            summary = None
-        if resp.status == 200 and is_status(summary):
-            return summary
-        request, said = "GET /v1/status", answer(resp.status, resp.content_type, body)
-        if resp.status in GATEWAY:
-            why = f"cannot reach a coordinator at {url}: {request} answered {said}"
-        elif resp.content_type == CONTENT_TYPE:  # a coordinator's own refusal
-            why = f"{url}: the coordinator answered {said}"
-        else:
-            why = not_tilehive(url, request, resp.status, resp.content_type, body)
-        raise CoordinatorUnreachable(why)
+        problem, summary = status_problem(url, resp.status, resp.content_type, body)
+        if problem:
+            raise CoordinatorUnreachable(problem)
+        return summary
 
 
 async def _at_most(stream: aiohttp.StreamReader, limit: int) -> bytes:
@@ -686,7 +674,8 @@ async def _watch_done(
 ) -> None:
     """Set `stop` once the coordinator says its training is done."""
     while not stop.is_set():
-        with contextlib.suppress(aiohttp.ClientError, TimeoutError, ValueError, OSError):
+        errors = (aiohttp.ClientError, TimeoutError, OSError, CoordinatorUnreachable)
+        with contextlib.suppress(*errors):  # a moment's: it looks again
             status = await _coordinator_status(session, url)
             if (status.get("training") or {}).get("done"):
                 stop.set()

@@ -4,7 +4,6 @@ and a URL where something else answers is named as such."""
 from __future__ import annotations
 
 import http.client
-import json
 import ssl
 import urllib.error
 import urllib.request
@@ -13,11 +12,8 @@ from typing import Any
 import click
 import msgpack
 
-from coordinator.work.protocol import CONTENT_TYPE
-from volunteer.address import answer, check_url, is_status, not_tilehive
+from volunteer.address import check_url, status_problem, strange
 from volunteer.logsetup import one_line
-
-GATEWAY = (502, 503, 504)  # a proxy's word on a coordinator behind it that is down
 
 
 def url_of(value: str) -> str:
@@ -35,14 +31,6 @@ def unreachable(url: str, exc: OSError) -> click.ClickException:
             f"cannot reach {url}: the TLS handshake failed ({reason}): is it http://?"
         )
     return click.ClickException(f"cannot reach {url}: {reason}")
-
-
-def strange(url: str, request: str, code: int, content_type: str, body: bytes) -> str:
-    """The error line for a reply in no coordinator's words."""
-    if code in GATEWAY:
-        said = answer(code, content_type, body)
-        return f"cannot reach a coordinator at {url}: {request} answered {said}"
-    return not_tilehive(url, request, code, content_type, body)
 
 
 def exchange(url: str, request: str | urllib.request.Request, timeout: float) -> tuple:
@@ -65,37 +53,10 @@ def exchange(url: str, request: str | urllib.request.Request, timeout: float) ->
 def status(url: str, timeout: float = 10) -> dict[str, Any]:
     """GET URL/v1/status: the coordinator's summary."""
     url = url_of(url)
-    code, content_type, body = exchange(url, url + "/v1/status", timeout)
-    try:
-        summary = json.loads(body)
-    except ValueError:
-        summary = None
-    said = _refusal(content_type, body)
-    if code != 200 and said is not None:
-        # A coordinator's own refusal: a path with nothing behind it (a proxy's prefix that
-        # is not the coordinator's), say; its words, not its msgpack bytes.
-        hint = ": give the URL it prints ('volunteers connect to ...')" if code == 404 else ""
-        raise click.ClickException(f"{url}: the coordinator answered {code} {said}{hint}")
-    if code != 200 or not is_status(summary):
-        raise click.ClickException(
-            strange(url, "GET /v1/status", code, content_type, body)
-            + ("" if code != 200 or summary is None else ", not a tilehive status")
-        )
+    problem, summary = status_problem(url, *exchange(url, url + "/v1/status", timeout))
+    if problem:
+        raise click.ClickException(problem)
     return summary
-
-
-def _refusal(content_type: str, body: bytes) -> str | None:
-    """A coordinator's {error, message} refusal, its message escaped; None for anything
-    else."""
-    if content_type != CONTENT_TYPE:
-        return None
-    try:
-        message = msgpack.unpackb(body)
-    except Exception:
-        return None
-    if not isinstance(message, dict) or not isinstance(message.get("message"), str):
-        return None
-    return one_line(message["message"])
 
 
 def escaped(value: Any) -> Any:

@@ -449,11 +449,14 @@ def test_status_and_admin_print_what_a_server_says_escaped_on_one_line():
 def test_status_at_a_path_with_no_coordinator_behind_it_says_so_in_words():
     nothing = msgpack.packb({"error": "not_found", "message": "Not Found"})
     for url in serve(page(404, "application/msgpack", nothing)):
-        line = one_line_error(tilehive("status", url + "/tilehive"))
-        assert line == (
+        said = (
             f"Error: {url}/tilehive: the coordinator answered 404 Not Found: give the URL it "
             "prints ('volunteers connect to ...')"
         )
+        assert one_line_error(tilehive("status", url + "/tilehive")) == said
+        # emulate too, not its msgpack bytes
+        emulated = tilehive("emulate", url + "/tilehive", "--hosts", "1", "--duration", "1")
+        assert one_line_error(emulated) == said
 
 
 def test_status_and_admin_name_a_server_that_does_not_speak_http(tmp_path):
