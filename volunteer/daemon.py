@@ -80,6 +80,8 @@ class VolunteerConfig:
 
 
 MAX_NEED_MB = 1 << 24  # a work unit's need (from the network) past this is not believed
+ADVICE_MARGIN_MB = 2.0  # above the --max-memory that would just do, when one is advised
+ADVICE_STEP_MB = 5  # an advised --max-memory is a multiple of this
 # Seconds a registration waits for a coordinator that has not answered yet (other calls
 # have minutes: a large body on a slow link): an address that takes connections and says
 # nothing is then said in seconds.
@@ -216,9 +218,12 @@ class Volunteer(PullLoop):
 
     def _max_memory_for(self, need_mb: float) -> int:
         """The --max-memory that would offer a work unit of `need_mb`: what this process
-        keeps of --max-memory for itself now, and the budget that offers it."""
+        keeps of --max-memory for itself (its size at start, which moves by a fraction of
+        a megabyte from one start to the next: ADVICE_MARGIN_MB), and the budget that
+        offers it; in round figures (ADVICE_STEP_MB)."""
         own = self.config.max_memory_mb - self.budget / MB
-        return math.ceil(own + budget_for(math.ceil(need_mb), self.config.threads) / MB)
+        exact = own + budget_for(math.ceil(need_mb), self.config.threads) / MB
+        return math.ceil((exact + ADVICE_MARGIN_MB) / ADVICE_STEP_MB) * ADVICE_STEP_MB
 
     def _resting(self) -> None:
         let_go()  # a daemon that waits holds no memory it does not use

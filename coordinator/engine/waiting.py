@@ -10,6 +10,7 @@ waits is told why in its reply's `note`."""
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import json
 import logging
@@ -42,6 +43,9 @@ class Wait:
     message: str
     tiles: int = 0  # results waiting to be sent
     since: float = 0.0
+    # needs_hosts: the hosts it counted (connected, each holding its replicas). A host
+    # not among them, one that joined since, is the other volunteer asked for.
+    hosts: frozenset[int] = frozenset()
 
     def to_dict(self) -> dict:
         return {
@@ -206,6 +210,7 @@ def explain(
             f"by {quorum} different volunteers and the {len(hosts)} connected already hold "
             "theirs (start another volunteer; see README: volunteers per policy)",
             waiting,
+            hosts=frozenset(h.id for h in hosts),
         )
     return None
 
@@ -276,14 +281,14 @@ class Waiting:
         before = self.current
         if before is not None and found is not None and before.reason == found.reason:
             # The same wait, perhaps with other counts: keep its start, say nothing again.
-            self.current = Wait(found.reason, found.message, found.tiles, before.since)
+            self.current = dataclasses.replace(found, since=before.since)
             return False
         if before is None and found is None:
             return False
         if found is not None and reason != seen and reason != "paused":
             return False  # not sure yet: keep what was said
         if found is not None:
-            self.current = Wait(found.reason, found.message, found.tiles, now)
+            self.current = dataclasses.replace(found, since=now)
             if before is None:
                 self._began = now
             # Most reasons say "work waits for ..." themselves. The operator's pause is said
@@ -323,11 +328,11 @@ class Waiting:
         """What a host that got no work is told: why the project's work waits, if it does.
         Never that no volunteer asks for work: the host asking is one, and the next look
         finds the reason it meets (a new volunteer was told so on its first ask). Nor, to a
-        volunteer that registered since the wait began, that another is needed: it is that
-        other one (it was told to start another volunteer, in 3 of 6 tries)."""
+        volunteer the last look did not count, that another is needed: it is that other one
+        (a second volunteer was told to start another, in 3 of 6 tries)."""
         current = self.current
         if current is None or current.reason in ("paused", "no_volunteers"):
             return None
-        if current.reason == "needs_hosts" and host.created >= current.since:
+        if current.reason == "needs_hosts" and host.id not in current.hosts:
             return None
         return current.message

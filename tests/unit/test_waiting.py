@@ -172,22 +172,31 @@ async def test_a_volunteer_that_registered_but_never_asked_does_not_make_work_fl
 
 
 async def test_a_volunteer_that_joined_during_a_wait_for_another_is_not_told_to_start_one(
-    tmp_path,
+    tmp_path, rng
 ):
     """It is the other volunteer the wait asked for: asking between two products (no work
-    just then), it was told "start another volunteer" in 3 of 6 tries. Those there before
-    the wait are told why their work waits."""
-    co = Coordinator(CoordinatorConfig(directory=tmp_path, tile=16), MemoryStore())
+    just then), it was told "start another volunteer" in 3 of 6 tries. Those the wait
+    counted are told why their work waits."""
+    config = CoordinatorConfig(directory=tmp_path, tile=16, policy=Policy.QUORUM)
+    co = Coordinator(config, MemoryStore())
     await co.start()
     try:
         now = time.time()
         first, _ = await co.hosts.register(RegisterRequest("first", 10.0, 1, 512), now)
-        message = "work waits for another volunteer: the quorum policy ..."
-        co.waiting.current = Wait("needs_hosts", message, 4, since=now + 1)
-        second, _ = await co.hosts.register(RegisterRequest("second", 10.0, 1, 512), now + 2)
-        assert co.waiting.note(co.ledger.hosts[first.id]) == message
+        ask = WorkRequest("r1", 8, (), (), None, False)
+        a, b = operands(rng, 16, 16, 16, True, False)
+        product = asyncio.create_task(co.products.matmul(a, b, trans_a=True, label="x"))
+        await wait_until(lambda: co.ledger.unsent, 10)
+        await co.requests.request_work(co.ledger.hosts[first.id], ask, time.time())
+        later = time.time()
+        co.waiting.check(later)
+        assert co.waiting.check(later + 0.1) and co.waiting.reason == "needs_hosts"
+        said = co.waiting.current.message
+        assert co.waiting.note(co.ledger.hosts[first.id]) == said
+        second, _ = await co.hosts.register(RegisterRequest("second", 10.0, 1, 512), later)
         assert co.waiting.note(co.ledger.hosts[second.id]) is None
-        co.waiting.current = Wait("hosts_too_small", "work waits for a larger volunteer", 4, now)
+        co.waiting.current = Wait("hosts_too_small", "work waits for a larger volunteer", 4)
         assert co.waiting.note(co.ledger.hosts[second.id]) == "work waits for a larger volunteer"
+        product.cancel()
     finally:
         await co.stop()
