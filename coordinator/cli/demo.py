@@ -19,7 +19,7 @@ from pathlib import Path
 import click
 from tqdm import tqdm
 
-from coordinator.cli.serve import finished
+from coordinator.cli.serve import finished, more_steps
 from coordinator.state.lock import in_use
 from coordinator.state.reader import ProjectReader
 from coordinator.training import checkpoints, history
@@ -197,8 +197,7 @@ def run_demo(
         if finished(settings):
             click.echo(
                 f"nothing to do: all {settings.training.steps} steps of {directory} are done "
-                "(raise training.steps in its project.toml to train more: the learning rate's "
-                "decay then spans the new count from the next step on)"
+                f"({more_steps(settings)})"
             )
             return
     else:  # the defaults a new project gets, checked before anything is written

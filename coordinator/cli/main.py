@@ -290,6 +290,7 @@ def train(directory: Path, local: bool, steps: int | None, threads: int) -> None
     """Train the project in one process: the reference a distributed run equals bit for bit."""
     import asyncio
 
+    from coordinator.cli.serve import more_steps
     from coordinator.training.trainer import LocalBackend, Trainer
 
     if not local:
@@ -309,7 +310,7 @@ def train(directory: Path, local: bool, steps: int | None, threads: int) -> None
     with ProjectLock(project.directory) as lock:
         lock.acquire("train --local")
         done = checkpoints.latest_readable(project.checkpoints, param_shapes(project.model))
-        click.echo(local_plan(done, steps, project.training.steps))
+        click.echo(local_plan(done, steps, project.training.steps, more_steps(project)))
         # Ctrl-C stops it even when it was started with SIGINT ignored (a background job of
         # a script): Python then installs no handler, and asyncio.run none either.
         signal.signal(signal.SIGINT, signal.default_int_handler)
@@ -325,16 +326,17 @@ def train(directory: Path, local: bool, steps: int | None, threads: int) -> None
     click.echo(f"checkpoints: {project.checkpoints}")
 
 
-def local_plan(done: int, until: int | None, steps: int) -> str:
+def local_plan(done: int, until: int | None, steps: int, more: str = "") -> str:
     """What `train --local` is about to do, from the last checkpoint's step `done`, its
     --steps `until` and the project's `steps`: one line, so that a run that does nothing,
-    or less than asked, says so."""
+    or less than asked, says so; with `more` (how to train on) once all steps are done."""
     target = min(until or steps, steps)
     beyond = (
         f" (--steps {until} is beyond the project's {steps})" if until and until > steps else ""
     )
     if done >= target:
-        return f"nothing to do: step {done} of {steps} is done already{beyond}"
+        how = f" ({more})" if more and done >= steps else ""
+        return f"nothing to do: step {done} of {steps} is done already{beyond}{how}"
     start = f"resuming after step {done}" if done else "starting at step 1"
     return f"{start}, training to step {target} of {steps}{beyond}"
 

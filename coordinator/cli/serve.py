@@ -178,9 +178,20 @@ async def host_project(
         return 130
 
 
+def more_steps(project: Project) -> str:
+    """What to do to train a finished project further, and what it changes."""
+    return (
+        f"raise training.steps in {project.directory / PROJECT_FILE} to train more: the "
+        "learning rate's decay then spans the new count from the next step on"
+    )
+
+
 def finished(project: Project) -> bool:
-    """Whether the project's last checkpoint is of its last step: nothing left to train."""
-    return (checkpoints.latest(project.checkpoints) or 0) >= project.training.steps
+    """Whether the project's last checkpoint is of its last step: nothing left to train.
+    CheckpointError if that checkpoint cannot be resumed (damaged, or of other model
+    settings): said before "nothing to do" would be."""
+    shapes = param_shapes(project.model)
+    return checkpoints.latest_readable(project.checkpoints, shapes) >= project.training.steps
 
 
 async def tell_volunteers(coordinator: Coordinator, stop: asyncio.Event) -> None:
@@ -211,13 +222,8 @@ async def _train(
     """Train to the project's last step; `url`: where volunteers and browsers reach it."""
     steps = project.training.steps
     loop = asyncio.get_running_loop()
-    shapes = param_shapes(project.model)
-    if await asyncio.to_thread(checkpoints.latest_readable, project.checkpoints, shapes) >= steps:
-        announce(
-            f"nothing to do: all {steps} steps are done already (raise training.steps in "
-            f"{project.directory / PROJECT_FILE} to train more: the learning rate's decay then "
-            "spans the new count from the next step on)"
-        )
+    if await asyncio.to_thread(finished, project):
+        announce(f"nothing to do: all {steps} steps are done already ({more_steps(project)})")
 
     def on_step(report: StepReport) -> None:
         coordinator.progress.record_step(report.record(), steps)

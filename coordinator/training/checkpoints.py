@@ -52,13 +52,24 @@ def latest(directory: Path) -> int | None:
 
 
 def latest_readable(directory: Path, shapes: Mapping[str, tuple[int, ...]]) -> int:
-    """The latest checkpoint's step (0: none), once it reads as the model's: a damaged
-    one, or one of another model, raises CheckpointError before anything is said of
-    resuming from it or of the project being done (`nothing to do`, then the error)."""
+    """The latest checkpoint's step (0: none), once its files open and each array in them
+    has the model's shape (`shapes`, read from the arrays' headers alone: resuming reads
+    the arrays). A damaged checkpoint, or one of other model settings, raises
+    CheckpointError before anything is said of resuming from it or of the project being
+    done (`nothing to do`, then the error)."""
     step = latest(directory)
     if step is None:
         return 0
-    load(directory, step, shapes)
+    target = path(directory, step)
+    optimizer = target.with_suffix(".opt.npz")
+    with _opened(target) as data:
+        for name, shape in shapes.items():
+            _shape(data, target, name, shape)
+    with _opened(optimizer) as data:
+        _shape(data, optimizer, "step", ())
+        for name, shape in shapes.items():
+            _shape(data, optimizer, f"m.{name}", shape)
+            _shape(data, optimizer, f"v.{name}", shape)
     return step
 
 
@@ -98,16 +109,40 @@ def _array(data, file: Path, key: str, shape: tuple[int, ...]) -> np.ndarray:
     try:
         array = data[key]
     except KeyError:
-        raise CheckpointError(
-            f"{file} holds no {key!r}: it was written for another model than project.toml's "
-            "(restore the model's settings, or start a new project with tilehive init)"
-        ) from None
+        raise _missing(file, key) from None
     except (zipfile.BadZipFile, ValueError, EOFError, OSError) as exc:
         raise CheckpointError(f"{file} is damaged ({exc}): its {key!r} cannot be read") from None
-    if array.shape != shape:
+    _check_shape(file, key, array.shape, shape)
+    return array
+
+
+def _shape(data, file: Path, key: str, shape: tuple[int, ...]) -> None:
+    """As _array, from the array's header alone."""
+    try:
+        with data.zip.open(f"{key}.npy") as member:
+            version = np.lib.format.read_magic(member)
+            if version == (1, 0):
+                found, _, _ = np.lib.format.read_array_header_1_0(member)
+            else:
+                found, _, _ = np.lib.format.read_array_header_2_0(member)
+    except KeyError:
+        raise _missing(file, key) from None
+    except (zipfile.BadZipFile, ValueError, EOFError, OSError) as exc:
+        raise CheckpointError(f"{file} is damaged ({exc}): its {key!r} cannot be read") from None
+    _check_shape(file, key, found, shape)
+
+
+def _missing(file: Path, key: str) -> CheckpointError:
+    return CheckpointError(
+        f"{file} holds no {key!r}: it was written for another model than project.toml's "
+        "(restore the model's settings, or start a new project with tilehive init)"
+    )
+
+
+def _check_shape(file: Path, key: str, found: tuple[int, ...], shape: tuple[int, ...]) -> None:
+    if found != shape:
         raise CheckpointError(
-            f"{file}: {key!r} is {array.shape}, the model in project.toml has {shape}: the "
+            f"{file}: {key!r} is {found}, the model in project.toml has {shape}: the "
             "model's settings changed after this checkpoint was written (restore them, or "
             "start a new project with tilehive init)"
         )
-    return array
