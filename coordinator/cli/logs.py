@@ -121,7 +121,7 @@ class ProjectView:
             return None
         if host.isascii() and host.isdigit() and len(host) <= 18:  # an id SQLite can hold
             # Unknown, it is said as an unknown name is (it matched nothing, quietly).
-            if int(host) not in {r["id"] for r in self.reader.hosts()}:
+            if not self.reader.host_registered(int(host)):
                 raise NoSuchHost(f"no host {int(host)} has registered")
             return int(host)
         ids = self.reader.host_ids_named(host)

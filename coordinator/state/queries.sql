@@ -165,6 +165,9 @@ SELECT MIN(step) AS n FROM workunits;
 -- name: select_host_ids_named
 SELECT id FROM hosts WHERE name = :name ORDER BY id;
 
+-- name: select_host_registered
+SELECT EXISTS (SELECT 1 FROM hosts WHERE id = :id) AS registered;
+
 -- name: select_workunits_for_log
 -- :state is a state as status counts it (records.counted_state: an error whose product was
 -- dropped, WuError.CANCELLED = 16, is 'cancelled'), or 'failed': error or cancelled.

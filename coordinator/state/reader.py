@@ -81,6 +81,9 @@ class ProjectReader:
         """The ids of the hosts registered under `name`, oldest first."""
         return [r["id"] for r in self._rows("select_host_ids_named", name=name)]
 
+    def host_registered(self, host_id: int) -> bool:
+        return bool(self._rows("select_host_registered", id=host_id)[0]["registered"])
+
     def hosts(self) -> list[sqlite3.Row]:
         return self._rows("select_hosts")
 
