@@ -8,6 +8,7 @@ import json
 import logging
 import math
 import os
+import re
 import select
 import shutil
 import signal
@@ -340,6 +341,7 @@ async def _serve(
 
 
 STATUS_LOG_EVERY = 30.0  # seconds between status lines in the log (no terminal)
+FIGURES = re.compile(r"\d+(?:\.\d+)?")
 
 
 class StatusLog:
@@ -358,7 +360,8 @@ class StatusLog:
         if now - self.last <= STATUS_LOG_EVERY:
             return None
         self.last = now
-        said = (status["state"], status["tiles"], status.get("note"))
+        # A note's figures (a countdown, a retry's seconds) move on by themselves.
+        said = (status["state"], status["tiles"], FIGURES.sub("#", status.get("note") or ""))
         if said == self.said:
             return None
         self.said = said

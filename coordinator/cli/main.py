@@ -154,11 +154,12 @@ def _given(param: str, flag: str) -> str:
     """An option as an error names it: with the variable it came from, when it came from
     one (a value the operator never typed, set in a shell profile or a unit file)."""
     context = click.get_current_context(silent=True)
-    if context is not None and (
-        context.get_parameter_source(param) is click.core.ParameterSource.ENVIRONMENT
+    if context is None or (
+        context.get_parameter_source(param) is not click.core.ParameterSource.ENVIRONMENT
     ):
-        return f"{flag} (from TILEHIVE_{param.upper()})"
-    return flag
+        return flag
+    envvar = next(p.envvar for p in context.command.params if p.name == param)
+    return f"{flag} (from {envvar})"
 
 
 def _bind(value: str) -> tuple[str, int]:

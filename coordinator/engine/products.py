@@ -83,7 +83,9 @@ def attempts_said(earlier: list[Gemm], now: Gemm | None) -> str:
         # training went back to the one before, and runs the step again, bit for bit.
         why = "was let go after a checkpoint that is gone"
     else:
-        runs = "an earlier run" if len(earlier) == 1 else f"{len(earlier)} earlier runs"
+        # Pruned attempts finished (their checkpoint is what went): not counted here.
+        failed = sum(1 for gemm in earlier if gemm.state is GemmState.FAILED)
+        runs = "an earlier run" if failed == 1 else f"{failed} earlier runs"
         why = f"did not finish in {runs} ({last.error or 'no reason recorded'})"
     if now is None:
         then = f"running it again (attempt {attempt})"

@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import codecs
 import re
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 
 import numpy as np
 
@@ -24,12 +24,28 @@ def printable(text: str) -> str:
     return _CONTROL.sub(lambda m: f"\\x{ord(m.group()):02x}", text)
 
 
+def as_text(chunks: Iterable[bytes]) -> Iterator[str]:
+    """Bytes as printable text as they come: a character of several bytes once all of
+    them have come (an empty piece before), a byte that is no UTF-8 as U+FFFD."""
+    decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+    for chunk in chunks:
+        yield printable(decoder.decode(chunk))
+    yield printable(decoder.decode(b"", final=True))
+
+
 def generate(
     project: Project, prompt: str, length: int, temperature: float, seed: int
 ) -> Iterator[str]:
     """The prompt, then `length` sampled bytes, as text as it comes: a byte is a forward
     pass (milliseconds), and `--length 100000` printed nothing for half an hour. Nothing
     comes before the checkpoint has loaded, so a damaged one is an error, not half a line."""
+    return as_text(_sampled(project, prompt, length, temperature, seed))
+
+
+def _sampled(
+    project: Project, prompt: str, length: int, temperature: float, seed: int
+) -> Iterator[bytes]:
+    """The prompt's bytes, then each byte as it is sampled."""
     step = checkpoints.latest(project.checkpoints)
     if step is None:
         raise ProjectError(f"no checkpoint in {project.checkpoints} yet: train first")
@@ -38,9 +54,7 @@ def generate(
     context = project.model.context
     tokens = list(prompt.encode()) or [10]
     rng = np.random.default_rng(seed)
-    # Bytes in, text out: a character of several bytes comes out once all have come.
-    text = codecs.getincrementaldecoder("utf-8")(errors="replace")
-    yield printable(text.decode(bytes(tokens)))
+    yield bytes(tokens)
     for _ in range(length):
         window = tokens[-context:]
         padded = np.zeros((1, context), np.int64)
@@ -55,5 +69,4 @@ def generate(
             with np.errstate(over="ignore"):  # to -inf, on purpose
                 p = softmax_rows((row - row.max()) / temperature)
             tokens.append(int(rng.choice(len(p), p=p)))
-        yield printable(text.decode(bytes(tokens[-1:])))
-    yield printable(text.decode(b"", final=True))
+        yield bytes(tokens[-1:])

@@ -72,7 +72,9 @@ class MicroBatchBackend:
         self.prefix = f"mb{part}."
         self.batched = backend.batched
 
-    def matmul(self, a, b, *, trans_a: bool, trans_b: bool, label: str) -> Awaitable[np.ndarray]:
+    def matmul(
+        self, a: np.ndarray, b: np.ndarray, *, trans_a: bool, trans_b: bool, label: str
+    ) -> Awaitable[np.ndarray]:
         return self.backend.matmul(
             a, b, trans_a=trans_a, trans_b=trans_b, label=self.prefix + label
         )

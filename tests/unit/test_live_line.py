@@ -48,3 +48,7 @@ def test_without_a_terminal_the_status_line_is_logged_as_the_volunteer_moves_on_
     assert lines.due(working, 620.0) is None  # within 30 s of the last look
     assert lines.due(working, 640.0).startswith("working: 6 tiles")
     assert lines.due({**working, "tiles": 9}, 671.0).startswith("working: 9 tiles")
+    # A note whose figures count down (a cooling, a retry) is the same note.
+    cooling = {**working, "state": "idle", "note": "no new work for 40s: it sat on a tile"}
+    assert lines.due(cooling, 702.0) is not None
+    assert lines.due({**cooling, "note": "no new work for 9s: it sat on a tile"}, 733.0) is None

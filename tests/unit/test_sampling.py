@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
-import asyncio
+import pytest
 
-from coordinator.training.sampling import printable
+from coordinator.training import project as projects
+from coordinator.training.project import ProjectError
+from coordinator.training.sampling import as_text, generate, printable
 
 
 def test_control_bytes_are_shown_escaped_and_text_is_left_alone():
@@ -12,22 +14,19 @@ def test_control_bytes_are_shown_escaped_and_text_is_left_alone():
     assert printable(sampled) == "def f():\n\treturn 1\\x1b[2J\\x0d\\x00\\x7f\\x85 é ü"
 
 
-def test_the_text_comes_as_it_is_sampled(tmp_path):
-    """A byte is a forward pass: `--length 100000` printed nothing for half an hour. The
-    prompt comes at once, then a piece a byte (empty while a character of several bytes
-    is incomplete), and the pieces make the whole text."""
-    import itertools
+def test_the_text_comes_as_it_is_sampled():
+    """A byte is a forward pass: `--length 100000` printed nothing for half an hour. A
+    piece comes for each byte (empty while a character of several bytes is incomplete),
+    and the pieces make the text the whole would."""
+    sampled = [b"def ", b"\xc3", b"\xa9", b"\xff", b"\x1b", b"x", b"\xe2\x82"]
+    pieces = list(as_text(sampled))
+    assert pieces == ["def ", "", "é", "\ufffd", "\\x1b", "x", "", "\ufffd"]
+    whole = printable(b"".join(sampled).decode("utf-8", errors="replace"))
+    assert "".join(pieces) == whole
 
-    from coordinator.training import project as projects
-    from coordinator.training.sampling import generate
-    from coordinator.training.trainer import LocalBackend, Trainer
-    from tests.factories import SMALL
 
-    project = projects.create(tmp_path / "p", **{**SMALL, "training.steps": 1})
-    asyncio.run(Trainer(project, LocalBackend()).run())
-    pieces = generate(project, "é ", 50, 1.0, seed=0)
-    assert next(pieces) == "é "  # before any byte is sampled
-    rest = list(itertools.islice(pieces, 60))
-    assert len(rest) == 51  # one a byte sampled, and the decoder's end
-    whole = "é " + "".join(rest)
-    assert whole == "".join(generate(project, "é ", 50, 1.0, seed=0))
+def test_nothing_comes_before_the_checkpoint_has_loaded(tmp_path):
+    """A project with no checkpoint is an error before any text, not half a line."""
+    project = projects.create(tmp_path / "p")
+    with pytest.raises(ProjectError, match="no checkpoint"):
+        next(generate(project, "def ", 5, 1.0, 0))
