@@ -227,6 +227,7 @@ async def _train(
 
     def on_step(report: StepReport) -> None:
         coordinator.progress.record_step(report.record(), steps)
+        coordinator.products.drop_unasked(report.step, time.time())
         val = f" val_loss {report.val_loss:.4f}" if report.val_loss is not None else ""
         log.info(
             "step %d/%d loss %.4f%s (%.2fs)", report.step, steps, report.loss, val, report.seconds

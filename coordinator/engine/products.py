@@ -525,6 +525,30 @@ class Products:
             taken += 1
         return taken
 
+    def drop_unasked(self, through_step: int, now: float) -> int:
+        """End the products in flight of steps up to `through_step` that nothing awaits:
+        restored after a restart, but not asked for again once training passed their step
+        (a version that names products otherwise, `mb0.` before each micro-batch's, gives
+        them other ids). Their work would otherwise go to volunteers until a checkpoint
+        purged their step. Returns how many."""
+        unasked = [
+            gemm
+            for gemm in self.ledger.gemms.values()
+            if gemm.state is GemmState.ACTIVE
+            and gemm.step <= through_step
+            and gemm.id not in self.outputs
+        ]
+        for gemm in unasked:
+            self.drop(gemm, "not asked for by the training loop after a restart", now)
+        if unasked:
+            log.info(
+                "let go of %d product(s) of step %d or before, in flight at the last stop, "
+                "that training did not ask for again",
+                len(unasked),
+                through_step,
+            )
+        return len(unasked)
+
     def drop(self, gemm: Gemm, message: str, now: float) -> tuple[int, int]:
         """End an active GEMM as failed: its undecided work units stop, their hosts are told.
         Returns (work units dropped, results in progress aborted)."""

@@ -529,6 +529,28 @@ async def test_a_product_lost_at_several_stops_is_said_once_with_what_happens_to
     ), said
 
 
+async def test_a_product_restored_but_not_asked_for_again_is_let_go_after_its_step(tmp_path, rng):
+    """A product in flight at a stop, which training does not ask for again (a version
+    that names products otherwise gives them other ids), went on to volunteers until a
+    checkpoint purged its step."""
+    config = CoordinatorConfig(directory=tmp_path, tile=16, policy=Policy.FREIVALDS, seed=1)
+    store = MemoryStore()
+    a, b = operands(rng, 32, 32, 8, False, False)
+    await published_then_stopped(config, store, a, b)  # at step 0, its label ""
+    again = Coordinator(config, store)
+    await again.start()
+    try:
+        (restored,) = again.ledger.gemms.values()
+        await wait_until(lambda: again.ledger.unsent)  # handed out, though nothing awaits it
+        assert again.products.drop_unasked(restored.step - 1, time.time()) == 0  # not yet
+        assert again.products.drop_unasked(restored.step, time.time()) == 1
+        assert not again.ledger.unsent
+        await again.ledger.flush()
+        assert (await again.store.gemm(restored.id)).state is GemmState.FAILED
+    finally:
+        await again.stop()
+
+
 @contextlib.asynccontextmanager
 async def crowd(tmp_path, size: int):
     """A coordinator allowing idle hosts 10 asks a second, and `size` registered hosts;
