@@ -301,7 +301,8 @@ class ProjectView:
             # A store from before version 7 has no column `gone` (a Row's `in` reads values).
             gone = "gone" in h.keys() and bool(h["gone"])  # noqa: SIM118
             is_paused = h["id"] in paused
-            states[host_state(h["quarantined"], gone, h["last_contact"], now, is_paused)] += 1
+            contact, created = h["last_contact"], h["created"]
+            states[host_state(h["quarantined"], gone, contact, now, is_paused, created)] += 1
         recent = self.reader.count_events_since("result", "success", now - 60)
         summary = {
             "workunits": wus,

@@ -9,7 +9,7 @@ from collections.abc import Callable
 from coordinator.engine.metrics import Metrics
 from coordinator.state.ledger import Ledger
 from coordinator.training import history
-from coordinator.work.records import GemmState, counted_state
+from coordinator.work.records import GemmState, counted_state, has_asked
 
 ACTIVE_WITHIN = 300.0  # seconds since its last contact for a host to count as active
 
@@ -18,14 +18,22 @@ HOST_STATES = ("active", "paused", "idle", "quarantined")
 
 
 def host_state(
-    quarantined: bool, gone: bool, last_contact: float, now: float, paused: bool = False
+    quarantined: bool,
+    gone: bool,
+    last_contact: float,
+    now: float,
+    paused: bool = False,
+    created: float | None = None,
 ) -> str:
-    """How `status` counts a host: quarantined; idle if it said it stops (at once) or has not
-    been heard from lately; paused if its owner is using its machine (`--idle-only`: in
-    contact, but it takes no work); active otherwise."""
+    """How `status` counts a host: quarantined; idle if it said it stops (at once), has not
+    been heard from lately, or has not asked for work since it registered at `created`
+    (what engine/waiting.py counts as connected agrees); paused if its owner is using its
+    machine (`--idle-only`: in contact, but it takes no work); active otherwise."""
     if quarantined:
         return "quarantined"
     if gone or now - last_contact >= ACTIVE_WITHIN:
+        return "idle"
+    if created is not None and not has_asked(created, last_contact):
         return "idle"
     return "paused" if paused else "active"
 
@@ -108,7 +116,8 @@ class Progress:
         states = no_host_states()
         for h in self.ledger.hosts.values():
             paused = self.owner_busy(h.id)
-            states[host_state(h.quarantined, h.gone, h.last_contact, now, paused)] += 1
+            state = host_state(h.quarantined, h.gone, h.last_contact, now, paused, h.created)
+            states[state] += 1
         return states
 
     def full_status(self) -> dict:

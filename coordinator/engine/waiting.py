@@ -88,7 +88,7 @@ def explain(
         )
     if not ledger.unsent:
         return None
-    hosts = [h for h in ledger.hosts.values() if h.in_service and has_asked(h)]
+    hosts = [h for h in ledger.hosts.values() if h.in_service and h.has_asked]
     hosts = [h for h in hosts if now - h.last_contact < CONNECTED_WITHIN]
     waiting = len(ledger.unsent)
     if not hosts:
@@ -213,15 +213,6 @@ def explain(
             hosts=frozenset(h.id for h in hosts),
         )
     return None
-
-
-def has_asked(host: Host) -> bool:
-    """Whether the host has asked for work since it registered. A volunteer asks at once
-    after registering; one that never does (killed in between, or a script that only
-    registers) would otherwise count as connected and say "work flows again" while none
-    goes out, until it went quiet 40 s later. Every request, report or long body heard
-    moves its last contact past its registration."""
-    return host.last_contact > host.created
 
 
 def clock(when: float) -> str:

@@ -250,7 +250,8 @@ def uplink(rate: float | None) -> str:
 def host_condition(co: Coordinator, h: Host, now: float) -> tuple[str, str]:
     """(its row's class, what its state column says): why a host takes no work, if it
     takes none."""
-    state = host_state(h.quarantined, h.gone, h.last_contact, now, h.id in co.requests.owner_busy)
+    paused = h.id in co.requests.owner_busy
+    state = host_state(h.quarantined, h.gone, h.last_contact, now, paused, h.created)
     if state == "quarantined":
         return "quarantined", "QUARANTINED"
     if state == "idle":

@@ -297,8 +297,22 @@ class Host:
         """Neither quarantined nor stopped: a host work may go to, and be waited for."""
         return not (self.quarantined or self.gone)
 
+    @property
+    def has_asked(self) -> bool:
+        """Whether it has asked for work since it registered (has_asked)."""
+        return has_asked(self.created, self.last_contact)
+
     def evolve(self, **changes: object) -> Self:
         return evolve_record(self, changes)
+
+
+def has_asked(created: float, last_contact: float) -> bool:
+    """Whether a host registered at `created` has been heard from since. A volunteer asks
+    at once after registering; one that never does (killed in between, a script that only
+    registers) is no volunteer at work: counted as one, the log said "work flows again" at
+    its registration and, 40 s later, that it had gone quiet. Every request, report or long
+    body heard moves its last contact past its registration."""
+    return last_contact > created
 
 
 def evolve_record(record: Any, changes: dict[str, object]) -> Any:

@@ -162,9 +162,11 @@ async def test_a_volunteer_that_registered_but_never_asked_does_not_make_work_fl
         host, _ = await co.hosts.register(RegisterRequest("h", 10.0, 1, 512), now + 2)
         assert not co.waiting.check(now + 3) and co.waiting.reason == "no_volunteers"
         assert not any("flows again" in r.getMessage() for r in caplog.records)
+        assert co.progress.host_states(now + 3)["active"] == 0  # status agrees
         request = WorkRequest("r1", 0, (), (), None, False)  # asks, with no room just now
         await co.requests.request_work(host, request, now + 4)
         assert co.waiting.check(now + 5) and co.waiting.current is None
+        assert co.progress.host_states(now + 5)["active"] == 1
         assert any("work flows again" in r.getMessage() for r in caplog.records)
         product.cancel()
     finally:
