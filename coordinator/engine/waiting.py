@@ -88,8 +88,11 @@ def explain(
         )
     if not ledger.unsent:
         return None
-    hosts = [h for h in ledger.hosts.values() if h.in_service and h.has_asked]
-    hosts = [h for h in hosts if now - h.last_contact < CONNECTED_WITHIN]
+    hosts = [
+        h
+        for h in ledger.hosts.values()
+        if h.in_service and h.has_asked and now - h.last_contact < CONNECTED_WITHIN
+    ]
     waiting = len(ledger.unsent)
     if not hosts:
         return Wait(
