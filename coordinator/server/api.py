@@ -590,7 +590,7 @@ def create_app(
         sweeping = asyncio.create_task(_sweep_refusals(app[REFUSALS]), name="tilehive-refusals")
         yield
         sweeping.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
+        with contextlib.suppress(asyncio.CancelledError, Exception):  # the stop goes on
             await sweeping
         app[REFUSALS].sweep(final=True)  # the counts still untold, before the log ends
         await coordinator.stop()

@@ -255,7 +255,9 @@ def host_condition(co: Coordinator, h: Host, now: float) -> tuple[str, str]:
     if state == "quarantined":
         return "quarantined", "QUARANTINED"
     if state == "idle":
-        return "ok", "stopped" if h.gone else "not heard from lately"
+        if h.gone:
+            return "ok", "stopped"
+        return "ok", "not heard from lately" if h.has_asked else "registered; has not asked yet"
     if state == "paused":
         return "paused", "paused: its owner uses the machine (--idle-only)"
     cooling = co.requests.cooling.left(h.id, now)

@@ -54,9 +54,10 @@ def latest(directory: Path) -> int | None:
 def latest_readable(directory: Path, shapes: Mapping[str, tuple[int, ...]]) -> int:
     """The latest checkpoint's step (0: none), once its files open and each array in them
     has the model's shape (`shapes`, read from the arrays' headers alone: resuming reads
-    the arrays). A damaged checkpoint, or one of other model settings, raises
-    CheckpointError before anything is said of resuming from it or of the project being
-    done (`nothing to do`, then the error)."""
+    the arrays). A checkpoint cut off (a full disk, a copy interrupted), or one of other
+    model settings, raises CheckpointError before anything is said of resuming from it or
+    of the project being done (`nothing to do`, then the error). A byte changed inside an
+    array's data is found only when the arrays are read, by their CRC."""
     step = latest(directory)
     if step is None:
         return 0

@@ -302,7 +302,7 @@ def test_a_daemon_at_another_web_server_ends_and_says_why(tmp_path, html):
     assert NOT_TILEHIVE in volunteer_status(state)["note"]
     log = (state / "volunteer.log").read_text()
     assert log.count(NOT_TILEHIVE) == 1 and "Traceback" not in log
-    # Why before what: the log said it stopped, then why.
+    # Why before what (the log said it stopped, then why).
     assert log.index(NOT_TILEHIVE) < log.index("volunteer stopped after"), log
 
 

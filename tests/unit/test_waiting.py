@@ -13,6 +13,7 @@ from coordinator.engine.config import CoordinatorConfig
 from coordinator.engine.coordinator import Coordinator
 from coordinator.engine.requests import IDLE_DELAY_CAP
 from coordinator.engine.waiting import CONNECTED_WITHIN, QUIET_AFTER, Wait, clock, explain
+from coordinator.server.dashboard import host_condition
 from coordinator.state.memory import MemoryStore
 from coordinator.work.protocol import RegisterRequest, WorkRequest
 from coordinator.work.records import Policy
@@ -163,6 +164,8 @@ async def test_a_volunteer_that_registered_but_never_asked_does_not_make_work_fl
         assert not co.waiting.check(now + 3) and co.waiting.reason == "no_volunteers"
         assert not any("flows again" in r.getMessage() for r in caplog.records)
         assert co.progress.host_states(now + 3)["active"] == 0  # status agrees
+        said = host_condition(co, co.ledger.hosts[host.id], now + 3)  # and the dashboard
+        assert said == ("ok", "registered; has not asked yet")
         request = WorkRequest("r1", 0, (), (), None, False)  # asks, with no room just now
         await co.requests.request_work(host, request, now + 4)
         assert co.waiting.check(now + 5) and co.waiting.current is None
